@@ -1,0 +1,1 @@
+"""The typer face of peertrain."""

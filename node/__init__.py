@@ -1,0 +1,1 @@
+"""The daemon: composes p2p/, protocols/ and the torch trainer."""

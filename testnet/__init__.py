@@ -1,0 +1,1 @@
+"""Local multi-node testnets, scenarios and benchmarks."""
