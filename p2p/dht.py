@@ -1,0 +1,150 @@
+"""A Kademlia DHT wrapper around py-libp2p's KadDHT, with peertrain's own protocol id.
+
+What the wrapper adds (each item is a measured quirk of py-libp2p 0.8.1, notes/libp2p.md §4):
+
+* Protocol id `/peertrain/kad/1.0.0` instead of the hard-wired public `/ipfs/kad/1.0.0`, so
+  a peertrain node never joins, nor answers, the public IPFS DHT. KadDHT ignores its
+  `protocol_prefix` argument; the constant is bound by name in several modules, so we
+  rebind it in each of them at import.
+* Namespaced keys (`/<namespace>/<rest>`) checked by validators supplied by the caller;
+  with strict validation on, a key in a namespace nobody registered is refused.
+* `find_providers` deduplicates by peer id and always asks the network, even when it holds
+  local records (KadDHT stops at the first local record and returns duplicates).
+* `provide` is remembered and re-announced periodically: KadDHT's provide is
+  fire-and-forget, and provider records expire.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import libp2p.kad_dht.common as _common
+import libp2p.kad_dht.kad_dht as _kad
+import libp2p.kad_dht.peer_routing as _routing
+import libp2p.kad_dht.provider_store as _providers
+import libp2p.kad_dht.value_store as _values
+import trio
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import NamespacedValidator, Validator
+from libp2p.tools.anyio_service import background_trio_service
+
+log = logging.getLogger(__name__)
+
+DHT_PROTOCOL = TProtocol("/peertrain/kad/1.0.0")
+for _module in (_common, _kad, _routing, _providers, _values):
+    _module.PROTOCOL_ID = DHT_PROTOCOL  # type: ignore[attr-defined]
+
+# The DHT logs a WARNING for every cleanly finished request (EOF is read as an error).
+logging.getLogger("libp2p.kad_dht").setLevel(logging.ERROR)
+
+
+class DHT:
+    """The node's view of the DHT. Create it before the host connects to anyone."""
+
+    def __init__(
+        self,
+        host: IHost,
+        validators: dict[str, Validator] | None = None,
+        *,
+        reprovide_interval: float = 60.0,
+        query_timeout: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.reprovide_interval = reprovide_interval
+        self.query_timeout = query_timeout
+        self.kad = KadDHT(
+            host,
+            DHTMode.SERVER,
+            validator=NamespacedValidator(dict(validators or {}), strict_validation=True),
+            validator_changed=True,
+            strict_validation=True,
+        )
+        self._provided: set[str] = set()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[DHT]:
+        async with background_trio_service(self.kad), trio.open_nursery() as nursery:
+            nursery.start_soon(self._reprovide_loop)
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def add_peer(self, peer: ID) -> None:
+        # skip_server_mode_check: identify may not have finished yet (notes §4, add_peer).
+        await self.kad.add_peer(peer, skip_server_mode_check=True)
+
+    async def bootstrap(self) -> None:
+        """Self-lookup through the peers we know: fills the routing table."""
+        with trio.move_on_after(self.query_timeout):
+            await self.kad.refresh_routing_table()
+
+    def routing_table_size(self) -> int:
+        return self.kad.get_routing_table_size()
+
+    async def put(self, key: str, value: bytes) -> None:
+        """Store a record under a namespaced key (`/ns/rest`); validators run locally first."""
+        with trio.fail_after(self.query_timeout):
+            await self.kad.put_value(key, value)
+
+    async def get(self, key: str) -> bytes | None:
+        with trio.move_on_after(self.query_timeout):
+            return await self.kad.get_value(key)
+        return None
+
+    async def provide(self, key: str) -> None:
+        """Announce that we provide `key`, and keep announcing it every reprovide_interval."""
+        self._provided.add(key)
+        with trio.move_on_after(self.query_timeout):
+            await self.kad.provide(key)
+
+    def stop_providing(self, key: str) -> None:
+        self._provided.discard(key)
+
+    async def find_providers(self, key: str, count: int = 20) -> list[PeerInfo]:
+        """Providers of `key`, local and from the network, one entry per peer."""
+        encoded = _kad._encode_key(key)
+        found: dict[ID, PeerInfo] = {}
+
+        def add(infos: list[PeerInfo]) -> None:
+            for info in infos:
+                known = found.get(info.peer_id)
+                if known is None:
+                    found[info.peer_id] = PeerInfo(info.peer_id, list(info.addrs))
+                else:
+                    known.addrs.extend(a for a in info.addrs if a not in known.addrs)
+
+        add(self.kad.provider_store.get_providers(encoded))
+        with trio.move_on_after(self.query_timeout):
+            peers = await self.kad.peer_routing.find_closest_peers_network(encoded)
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    if peer != self.host.get_id():
+                        nursery.start_soon(self._ask_providers, peer, encoded, add)
+        return list(found.values())[:count]
+
+    async def _ask_providers(self, peer: ID, key: bytes, add) -> None:
+        try:
+            providers, _closer = await self.kad.provider_store._get_providers_from_peer_with_closers(
+                peer, key
+            )
+        except Exception as e:  # one silent peer must not fail the whole lookup
+            log.debug("GET_PROVIDERS to %s failed: %r", peer, e)
+            return
+        add(providers)
+
+    async def _reprovide_loop(self) -> None:
+        while True:
+            await trio.sleep(self.reprovide_interval)
+            for key in list(self._provided):
+                with trio.move_on_after(self.query_timeout):
+                    try:
+                        await self.kad.provide(key)
+                    except Exception as e:
+                        log.info("re-provide of %s failed: %r", key, e)

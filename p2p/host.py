@@ -1,0 +1,265 @@
+"""The libp2p host a node runs on: TCP + Noise + Yamux, a DHT, gossipsub, guarded handlers.
+
+`Substrate` owns one py-libp2p host and the services stacked on it. Two traps of
+py-libp2p 0.8.1 are handled here once, so nothing above has to know about them:
+
+* every dial waited a fixed 250 ms happy-eyeballs delay even after it had succeeded
+  (notes/libp2p.md, pitfall 1): the delay is set to 0, we dial one transport anyway;
+* an exception escaping a stream handler took the whole host down (pitfall 2):
+  every handler registered through `set_handler` is guarded, and `serve()` restarts the
+  host (same key, same listen addresses) if it dies anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import libp2p.network.swarm as _swarm
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIP_10
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIP_11
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12 as GOSSIP_12
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.dht import DHT
+
+log = logging.getLogger(__name__)
+
+# Pitfall 1: a fixed 250 ms head start per dial, paid even on success. We offer one
+# transport (TCP), so there is nothing to race.
+_swarm._HAPPY_EYEBALLS_DELAY = 0.0
+
+Handler = Callable[[INetStream], Awaitable[None]]
+
+
+class DialError(Exception):
+    """A peer could not be reached; `addr` says which address and the message why."""
+
+    def __init__(self, addr: str, reason: str) -> None:
+        super().__init__(f"cannot reach {addr}: {reason}")
+        self.addr = addr
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class GossipSettings:
+    """Gossipsub settings; py-libp2p's defaults suit demos, not a daemon (notes/libp2p.md §5)."""
+
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 12
+    # The default heartbeat is 120 s: meshes would take minutes to repair after churn.
+    heartbeat_s: int = 1
+    # The default spam limit (10 msg/s per peer and topic) silently dropped bursts of our own
+    # messages; peertrain publishes a few per second, so 100/s only stops real floods.
+    max_messages_per_topic_per_second: float = 100.0
+    # Eclipse protection wants peers from >= 3 distinct IPs; on loopback or a LAN testnet
+    # every peer shares one IP and the mesh would never fill.
+    eclipse_protection: bool = False
+
+
+@dataclass
+class SubstrateStats:
+    started: int = 0
+    restarts: int = 0
+    handler_errors: int = 0
+    last_handler_error: str = ""
+    handler_errors_by_protocol: dict[str, int] = field(default_factory=dict)
+
+
+def parse_peer_addr(addr: str) -> PeerInfo:
+    """Turn `/ip4/1.2.3.4/tcp/4001/p2p/12D3...` into a PeerInfo, with a readable error."""
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(addr))
+    except Exception as e:
+        raise DialError(addr, f"not a peer multiaddr ({e}); expected "
+                              "/ip4/<ip>/tcp/<port>/p2p/<peer-id>") from e
+
+
+class Substrate:
+    """One libp2p host plus DHT and gossipsub, restarted with the same identity if it dies.
+
+    Users register protocol handlers with `set_handler` (before or after start): they
+    survive a restart. `on_ready` callbacks run after every (re)start, e.g. to re-subscribe.
+    """
+
+    def __init__(
+        self,
+        key_pair: KeyPair,
+        listen: Sequence[str],
+        *,
+        dht_protocol_validators: dict | None = None,
+        gossip: GossipSettings | None = None,
+        max_restarts: int = 5,
+    ) -> None:
+        self.key_pair = key_pair
+        self.listen = [multiaddr.Multiaddr(a) for a in listen]
+        self.gossip_settings = gossip or GossipSettings()
+        self.max_restarts = max_restarts
+        self._validators = dict(dht_protocol_validators or {})
+        self._handlers: dict[str, Handler] = {}
+        self._ready_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self.stats = SubstrateStats()
+        self.host: IHost | None = None
+        self.dht: DHT | None = None
+        self.pubsub: Pubsub | None = None
+        self.ready = trio.Event()
+        self.peer_id = ID.from_pubkey(key_pair.public_key)
+
+    # -- handlers -----------------------------------------------------------------
+
+    def set_handler(self, protocol: str, handler: Handler) -> None:
+        """Register a handler for `protocol`; an exception in it ends that stream only."""
+        self._handlers[protocol] = handler
+        if self.host is not None:
+            self.host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
+
+    def on_ready(self, callback: Callable[[], Awaitable[None]]) -> None:
+        self._ready_callbacks.append(callback)
+
+    def _guard(self, protocol: str, handler: Handler) -> Handler:
+        async def guarded(stream: INetStream) -> None:
+            try:
+                await handler(stream)
+            except Exception as e:  # one bad stream must never take down the host
+                peer = _remote_peer(stream)
+                self.stats.handler_errors += 1
+                self.stats.last_handler_error = f"{protocol} from {peer}: {e!r}"
+                by = self.stats.handler_errors_by_protocol
+                by[protocol] = by.get(protocol, 0) + 1
+                log.warning("handler %s failed for peer %s: %r", protocol, peer, e)
+                with trio.move_on_after(1):
+                    try:
+                        await stream.reset()
+                    except Exception:
+                        pass
+
+        return guarded
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the host until cancelled; restart it (bounded) if it crashes."""
+        restarts = 0
+        while True:
+            try:
+                await self._run_once(task_status)
+                return
+            except Exception as e:
+                restarts += 1
+                self.stats.restarts = restarts
+                self.ready = trio.Event()
+                if restarts > self.max_restarts:
+                    log.error("host died %d times; giving up", restarts)
+                    raise
+                log.error("host died (%r); restarting (%d/%d)", e, restarts, self.max_restarts)
+                task_status = trio.TASK_STATUS_IGNORED
+                await trio.sleep(min(2.0 ** restarts * 0.1, 5.0))  # back off, bounded
+
+    async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
+        host = new_host(
+            key_pair=self.key_pair,
+            sec_opt={NOISE_ID: NoiseTransport(self.key_pair,
+                                             noise_privkey=create_x25519_key_pair().private_key)},
+            muxer_opt={YAMUX_ID: Yamux},
+            listen_addrs=self.listen,
+        )
+        g = self.gossip_settings
+        router = GossipSub(
+            protocols=[GOSSIP_12, GOSSIP_11, GOSSIP_10],
+            degree=g.degree,
+            degree_low=g.degree_low,
+            degree_high=g.degree_high,
+            heartbeat_interval=g.heartbeat_s,
+            max_messages_per_topic_per_second=g.max_messages_per_topic_per_second,
+            eclipse_protection_enabled=g.eclipse_protection,
+        )
+        pubsub = Pubsub(host, router)
+        # The DHT must exist before the first connection: identify then sees our kad
+        # handler and peers add us to their routing tables (notes/libp2p.md §4).
+        dht = DHT(host, validators=self._validators)
+        for protocol, handler in self._handlers.items():
+            host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
+        async with host.run(listen_addrs=self.listen):
+            async with (background_trio_service(pubsub), background_trio_service(router),
+                        dht.running()):
+                await pubsub.wait_until_ready()
+                self.host, self.dht, self.pubsub = host, dht, pubsub
+                self.stats.started += 1
+                for callback in self._ready_callbacks:
+                    await callback()
+                self.ready.set()
+                task_status.started()
+                await trio.sleep(math.inf)  # cancelled by the node's shutdown
+
+    # -- conveniences ---------------------------------------------------------------
+
+    def addrs(self) -> list[str]:
+        """Our listen addresses with /p2p/<id>, as strings others can dial."""
+        if self.host is None:
+            return []
+        return [str(a) for a in self.host.get_addrs()]
+
+    def connected_peers(self) -> list[ID]:
+        return [] if self.host is None else self.host.get_connected_peers()
+
+    async def connect(self, addr: str, timeout: float = 10.0) -> ID:
+        """Dial a peer multiaddr; raise DialError with the reason on failure."""
+        info = parse_peer_addr(addr)
+        if info.peer_id == self.peer_id:
+            raise DialError(addr, "that is this node's own address")
+        assert self.host is not None
+        try:
+            with trio.fail_after(timeout):
+                await self.host.connect(info)
+        except trio.TooSlowError:
+            raise DialError(addr, f"no answer within {timeout:g} s") from None
+        except Exception as e:
+            raise DialError(addr, _dial_reason(e)) from e
+        if self.dht is not None:
+            await self.dht.add_peer(info.peer_id)
+        return info.peer_id
+
+    async def open_stream(self, peer: ID, protocol: str) -> INetStream:
+        assert self.host is not None
+        return await self.host.new_stream(peer, [TProtocol(protocol)])
+
+
+def _remote_peer(stream: INetStream) -> str:
+    try:
+        return stream.muxed_conn.peer_id.to_base58()
+    except Exception:
+        return "?"
+
+
+def _dial_reason(e: BaseException) -> str:
+    """Dig the root cause out of py-libp2p's wrapped dial errors."""
+    seen = e
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    exceptions = getattr(seen, "exceptions", None)
+    if exceptions:
+        seen = exceptions[0]
+        while seen.__cause__ is not None:
+            seen = seen.__cause__
+    text = str(seen) or type(seen).__name__
+    if "refused" in text.lower() or isinstance(seen, ConnectionRefusedError):
+        return "connection refused (is a node listening there?)"
+    return text
