@@ -1,0 +1,46 @@
+"""Typed errors raised by node/trainer/.
+
+Each carries the fields a caller needs to say what went wrong; only cli/ turns them into
+sentences for the user and exit codes (STYLE.md point 5).
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base class of every error raised by node/trainer/."""
+
+
+class DataError(TrainerError, ValueError):
+    """The training data cannot be used: a missing file, a bad JSONL line, an empty corpus.
+
+    `path` and `line` (1-based) point at the culprit when there is one.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+
+
+class FactoryError(TrainerError, ValueError):
+    """A "pkg.module:callable" model factory cannot be imported, called, or returned junk."""
+
+    def __init__(self, message: str, *, spec: str):
+        super().__init__(f"model factory {spec!r}: {message}")
+        self.spec = spec
+
+
+class DeviceError(TrainerError, ValueError):
+    """The requested device does not exist on this machine (e.g. cuda without a GPU)."""
+
+    def __init__(self, message: str, *, requested: str):
+        super().__init__(message)
+        self.requested = requested
+
+
+class ConfigError(TrainerError, ValueError):
+    """A configuration value is out of range or unknown (task name, sizes, schedule)."""
