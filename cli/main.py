@@ -1,5 +1,153 @@
-"""The `node` / `peertrain` command line."""
+"""The `node` / `peertrain` command line: a thin face over node/ and testnet/.
 
+Errors a user can cause (a wrong run-id, an unreachable bootstrap, a bad manifest) are
+printed as one clear message with a non-zero exit code; Ctrl-C exits quietly with 130.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated
+
+import trio
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="peertrain: contribute a CPU or GPU to a shared training run.")
+from cli.common import fail, out
+from node.config import NodeConfig, default_state_dir
+from node.control import ControlUnavailable, query_control
+from node.errors import NodeError
+from node.logs import setup_logging
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="peertrain: contribute a CPU or GPU to a shared training run.")
+run_app = typer.Typer(no_args_is_help=True, help="Create and inspect run manifests.")
+app.add_typer(run_app, name="run")
+
+
+StateDir = Annotated[Path | None, typer.Option(
+    "--state-dir", help="Identity, logs and run data. Default: the user data dir.")]
+Bootstrap = Annotated[list[str] | None, typer.Option(
+    "--bootstrap", "-b", help="Multiaddr of a peer to start from (repeatable).")]
+Listen = Annotated[list[str] | None, typer.Option(
+    "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
+LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+
+
+def run_async(main: Callable[[], Awaitable[None]]) -> None:
+    """trio.run with the errors a user sees turned into messages, not tracebacks."""
+    try:
+        trio.run(main)
+    except* KeyboardInterrupt:
+        # trio wraps Ctrl-C in an exception group; Typer would print it all.
+        raise typer.Exit(130) from None
+    except* NodeError as group:
+        e = group.exceptions[0]
+        while isinstance(e, BaseExceptionGroup):
+            e = e.exceptions[0]
+        raise fail(str(e), getattr(e, "exit_code", 1)) from None
+
+
+@app.command()
+def join(
+    run_id: Annotated[str, typer.Argument(help="The run to join (from `node run create`).")],
+    bootstrap: Bootstrap = None,
+    state_dir: StateDir = None,
+    listen: Listen = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    join_timeout: Annotated[float, typer.Option(help="Seconds to look for the run.")] = 30.0,
+    no_train: Annotated[bool, typer.Option("--no-train", help="Join without training.")] = False,
+    log_level: LogLevel = "info",
+) -> None:
+    """Join a training run: find it through the DHT, verify its manifest, contribute."""
+    from node.daemon import run_node
+    from protocols import manifest as mf
+
+    try:
+        run_id = mf.validate_run_id(run_id)
+    except mf.ManifestError as e:
+        raise fail(str(e), 2) from None
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", 2)
+    state_dir = state_dir or default_state_dir()
+    setup_logging(state_dir, log_level)
+    config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
+                        listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
+                        join_timeout_s=join_timeout, train=not no_train)
+    run_async(lambda: run_node(config))
+
+
+@app.command("bootstrap")
+def bootstrap_cmd(
+    state_dir: StateDir = None,
+    listen: Listen = None,
+    bootstrap: Bootstrap = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
+    from node.daemon import run_node
+
+    state_dir = state_dir or default_state_dir()
+    setup_logging(state_dir, log_level)
+    config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=list(bootstrap or []),
+                        listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]))
+    run_async(lambda: run_node(config))
+
+
+@run_app.command("create")
+def run_create(
+    manifest: Annotated[Path, typer.Argument(help="The run manifest (TOML).")],
+    state_dir: StateDir = None,
+) -> None:
+    """Validate a manifest, store it for serving, and print its run-id."""
+    from node.runstore import RunStore
+    from protocols import manifest as mf
+
+    try:
+        m = mf.load_manifest_file(manifest)
+    except mf.ManifestError as e:
+        raise fail(str(e), 2) from None
+    except OSError as e:
+        raise fail(f"cannot read {manifest}: {e.strerror}", 2) from None
+    run_id = RunStore(state_dir or default_state_dir()).put(mf.canonical_bytes(m))
+    print(run_id)
+
+
+@run_app.command("show")
+def run_show(
+    manifest: Annotated[Path, typer.Argument(help="The run manifest (TOML).")],
+) -> None:
+    """Print a manifest's canonical form and run-id without storing anything."""
+    from protocols import manifest as mf
+
+    try:
+        m = mf.load_manifest_file(manifest)
+    except mf.ManifestError as e:
+        raise fail(str(e), 2) from None
+    data = mf.canonical_bytes(m)
+    out.print_json(data.decode())
+    print(mf.run_id(data))
+
+
+@app.command()
+def status(
+    state_dir: StateDir = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show what the local node is doing: run, peers, addresses, uptime."""
+    try:
+        st = query_control(state_dir or default_state_dir())
+    except ControlUnavailable as e:
+        raise fail(str(e)) from None
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    from cli.render import node_status_table
+
+    out.print(node_status_table(st))
+
+
+from cli import testnet_cmd  # noqa: E402  (registers `node testnet ...`)
+
+app.add_typer(testnet_cmd.app, name="testnet")

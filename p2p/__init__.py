@@ -1,1 +1,1 @@
-"""Networking substrate on py-libp2p: host, identity, DHT, pubsub. Never imports torch or protocols/."""
+"""Networking substrate on py-libp2p: host, identity, DHT, pubsub. Never imports torch."""

@@ -131,9 +131,8 @@ class DHT:
 
     async def _ask_providers(self, peer: ID, key: bytes, add) -> None:
         try:
-            providers, _closer = await self.kad.provider_store._get_providers_from_peer_with_closers(
-                peer, key
-            )
+            store = self.kad.provider_store
+            providers, _closer = await store._get_providers_from_peer_with_closers(peer, key)
         except Exception as e:  # one silent peer must not fail the whole lookup
             log.debug("GET_PROVIDERS to %s failed: %r", peer, e)
             return

@@ -12,6 +12,7 @@ py-libp2p 0.8.1 are handled here once, so nothing above has to know about them:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -146,10 +147,8 @@ class Substrate:
                 by[protocol] = by.get(protocol, 0) + 1
                 log.warning("handler %s failed for peer %s: %r", protocol, peer, e)
                 with trio.move_on_after(1):
-                    try:
+                    with contextlib.suppress(Exception):
                         await stream.reset()
-                    except Exception:
-                        pass
 
         return guarded
 
@@ -197,17 +196,16 @@ class Substrate:
         dht = DHT(host, validators=self._validators)
         for protocol, handler in self._handlers.items():
             host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
-        async with host.run(listen_addrs=self.listen):
-            async with (background_trio_service(pubsub), background_trio_service(router),
-                        dht.running()):
-                await pubsub.wait_until_ready()
-                self.host, self.dht, self.pubsub = host, dht, pubsub
-                self.stats.started += 1
-                for callback in self._ready_callbacks:
-                    await callback()
-                self.ready.set()
-                task_status.started()
-                await trio.sleep(math.inf)  # cancelled by the node's shutdown
+        async with (host.run(listen_addrs=self.listen), background_trio_service(pubsub),
+                    background_trio_service(router), dht.running()):
+            await pubsub.wait_until_ready()
+            self.host, self.dht, self.pubsub = host, dht, pubsub
+            self.stats.started += 1
+            for callback in self._ready_callbacks:
+                await callback()
+            self.ready.set()
+            task_status.started()
+            await trio.sleep(math.inf)  # cancelled by the node's shutdown
 
     # -- conveniences ---------------------------------------------------------------
 

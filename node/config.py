@@ -1,0 +1,33 @@
+"""What a node is told to do: one dataclass, filled from CLI flags (cli/) or by the testnet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+
+
+def default_state_dir() -> Path:
+    return Path(platformdirs.user_data_dir("peertrain", appauthor=False))
+
+
+@dataclass
+class NodeConfig:
+    state_dir: Path = field(default_factory=default_state_dir)
+    # None: a bootstrap node, which serves the runs in its store but trains nothing.
+    run_id: str | None = None
+    bootstrap: list[str] = field(default_factory=list)
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    device: str = "auto"
+    heartbeat_s: float = 1.0
+    # A peer silent this long has left our view; a SIGKILLed peer disappears within it.
+    peer_ttl_s: float = 5.0
+    # How long `node join` looks for the run's providers before giving up.
+    join_timeout_s: float = 30.0
+    reprovide_s: float = 30.0
+    train: bool = True
+
+    @property
+    def role(self) -> str:
+        return "bootstrap" if self.run_id is None else "node"

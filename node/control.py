@@ -1,0 +1,93 @@
+"""The local control endpoint that `node status` reads.
+
+A TCP listener on 127.0.0.1 with an OS-chosen port; the port and a random token are written
+to `state_dir/control.json` (mode 0600), so only someone who can read the node's state
+directory can talk to it. One JSON request line, one JSON response line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+CONTROL_FILE = "control.json"
+MAX_REQUEST = 4096
+
+
+class ControlUnavailable(Exception):
+    """No node answers for this state directory."""
+
+
+async def serve_control(state_dir: Path, handlers: dict[str, Callable[[], Any]], *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    token = secrets.token_hex(16)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    path = Path(state_dir) / CONTROL_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"port": port, "token": token, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+    async def handle(conn: trio.SocketStream) -> None:
+        async with conn:
+            buf = b""
+            with trio.move_on_after(5):
+                while b"\n" not in buf and len(buf) < MAX_REQUEST:
+                    chunk = await conn.receive_some(MAX_REQUEST)
+                    if not chunk:
+                        break
+                    buf += chunk
+            try:
+                request = json.loads(buf.split(b"\n", 1)[0])
+                if not secrets.compare_digest(str(request.get("token", "")), token):
+                    reply: Any = {"error": "bad token"}
+                elif request.get("cmd") not in handlers:
+                    reply = {"error": f"unknown command {request.get('cmd')!r}"}
+                else:
+                    reply = {"ok": handlers[request["cmd"]]()}
+            except (ValueError, AttributeError) as e:
+                reply = {"error": f"bad request: {e}"}
+            with contextlib.suppress(trio.BrokenResourceError):
+                await conn.send_all(json.dumps(reply, default=str).encode() + b"\n")
+
+    try:
+        await trio.serve_listeners(handle, listeners, task_status=task_status)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def query_control(state_dir: Path, cmd: str = "status", timeout: float = 3.0) -> Any:
+    """Blocking client for the CLI; raises ControlUnavailable with a reason."""
+    path = Path(state_dir) / CONTROL_FILE
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ControlUnavailable(f"no node is running with state directory {state_dir}") from None
+    except (OSError, ValueError) as e:
+        raise ControlUnavailable(f"cannot read {path}: {e}") from e
+    try:
+        with socket.create_connection(("127.0.0.1", int(info["port"])), timeout=timeout) as s:
+            s.sendall(json.dumps({"token": info["token"], "cmd": cmd}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as e:
+        raise ControlUnavailable(
+            f"the node for {state_dir} does not answer ({e}); it may have exited") from e
+    reply = json.loads(data)
+    if "error" in reply:
+        raise ControlUnavailable(reply["error"])
+    return reply["ok"]

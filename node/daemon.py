@@ -1,0 +1,307 @@
+"""The daemon: one trio loop composing the p2p substrate, run identity, membership and control.
+
+`Node.run()` goes through phases that `node status` shows:
+
+    starting -> connecting (bootstrap peers) -> discovering (run providers in the DHT,
+    manifest fetched and verified) -> running (announced: DHT provider + heartbeats)
+
+A bootstrap node (no run-id) skips discovery: it serves and provides the runs in its store.
+Everything the node starts lives in one nursery; cancelling it (SIGINT/SIGTERM) stops all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from node import manifest_service
+from node.config import NodeConfig
+from node.control import serve_control
+from node.dht_records import VALIDATORS
+from node.errors import (
+    BootstrapUnreachable,
+    ManifestRejected,
+    NodeError,
+    RunNotFound,
+    StateDirError,
+)
+from node.runstore import RunStore, atomic_write
+from p2p.host import DialError, Substrate
+from p2p.identity import IdentityError, load_or_create_identity
+from p2p.peerbook import PeerBook
+from p2p.pubsub import PacedPublisher
+from protocols import heartbeat as hb
+from protocols import keys, records
+from protocols import manifest as mf
+from protocols.errors import RemoteProtocolError
+
+log = logging.getLogger("node")
+
+ADDRS_FILE = "addrs.json"
+
+
+def run_key(run_id: str) -> str:
+    return f"run/{run_id}"
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.phase = "starting"
+        self.started = time.monotonic()
+        self.first_peer_after_s: float | None = None
+        self.manifest: mf.Manifest | None = None
+        self.store = RunStore(config.state_dir)
+        self.peers = PeerBook(ttl=config.peer_ttl_s)
+        self.device = config.device
+        self.rejected_heartbeats = 0
+        self._record_loop_started = False
+        self._hb_seq = 0
+        try:
+            config.state_dir.mkdir(parents=True, exist_ok=True)
+            key_pair = load_or_create_identity(config.state_dir)
+        except (OSError, IdentityError) as e:
+            raise StateDirError(f"cannot use state directory {config.state_dir}: {e}") from e
+        self.signer = keys.Signer(key_pair.private_key.to_bytes()[:32])
+        self.substrate = Substrate(key_pair, config.listen, dht_protocol_validators=VALIDATORS)
+        self.peer_id = self.substrate.peer_id.to_base58()
+        self.publisher = PacedPublisher(self.substrate)
+        manifest_service.install(self.substrate, self.store)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
+            await nursery.start(self.substrate.serve)
+            await nursery.start(self.publisher.run)
+            await nursery.start(serve_control, self.config.state_dir,
+                                {"status": self.status, "ping": lambda: "pong"})
+            self._write_addrs()
+            log.info("peer %s listening on %s", self.peer_id, " ".join(self.substrate.addrs()))
+            await self._connect_bootstrap()
+            if self.config.run_id is None:
+                await self._serve_as_bootstrap(nursery)
+            else:
+                await self._join(nursery, self.config.run_id)
+            self.phase = "running"
+            task_status.started()
+
+    async def _stop_on_signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s; shutting down", signal.Signals(signum).name)
+                self.phase = "stopping"
+                scope.cancel()
+                return
+
+    def _write_addrs(self) -> None:
+        atomic_write(self.config.state_dir / ADDRS_FILE, json.dumps(
+            {"peer_id": self.peer_id, "addrs": self.substrate.addrs(), "pid": os.getpid()}
+        ).encode())
+
+    async def _connect_bootstrap(self) -> None:
+        if not self.config.bootstrap:
+            return
+        self.phase = "connecting"
+        failures: list[str] = []
+        async with trio.open_nursery() as nursery:
+            async def dial(addr: str) -> None:
+                try:
+                    await self.substrate.connect(addr)
+                except DialError as e:
+                    failures.append(str(e))
+
+            for addr in self.config.bootstrap:
+                nursery.start_soon(dial, addr)
+        if len(failures) == len(self.config.bootstrap):
+            raise BootstrapUnreachable(
+                "could not reach any bootstrap peer:\n  " + "\n  ".join(failures)
+                + "\nCheck the address (and that the peer is up), or pass another --bootstrap.")
+        for failure in failures:
+            log.warning("bootstrap: %s", failure)
+        assert self.substrate.dht is not None
+        await self.substrate.dht.bootstrap()
+
+    # -- bootstrap role -----------------------------------------------------------------
+
+    async def _serve_as_bootstrap(self, nursery: trio.Nursery) -> None:
+        """Serve and provide every run in the store; relay their gossip."""
+        for run_id in self.store.run_ids():
+            await self._announce(nursery, run_id)
+            log.info("serving run %s", run_id)
+
+    # -- node role ------------------------------------------------------------------------
+
+    async def _join(self, nursery: trio.Nursery, run_id: str) -> None:
+        self.phase = "discovering"
+        self.manifest = await self._resolve_manifest(run_id)
+        self.store.put(mf.canonical_bytes(self.manifest))
+        log.info("joined run %s (%s)", run_id, self.manifest.run.name)
+        self.device = await trio.to_thread.run_sync(_resolve_device, self.config.device)
+        await self._announce(nursery, run_id)
+        nursery.start_soon(self._heartbeat_loop, run_id)
+
+    async def _resolve_manifest(self, run_id: str) -> mf.Manifest:
+        local = self.store.get(run_id)
+        if local is not None:
+            return mf.parse_canonical(local, expected_run_id=run_id)
+        dht = self.substrate.dht
+        assert dht is not None
+        tried: set[ID] = set()
+        reasons: dict[str, str] = {}
+        rejected = False
+        delay = 0.2
+        with trio.move_on_after(self.config.join_timeout_s):
+            while True:
+                providers = [p.peer_id for p in await dht.find_providers(run_key(run_id))]
+                # Peers we are connected to are asked too: a bootstrap serving the run may
+                # answer before its provider record has spread.
+                candidates = [p for p in [*providers, *self.substrate.connected_peers()]
+                              if p != self.substrate.peer_id and p not in tried]
+                for peer in candidates:
+                    tried.add(peer)
+                    try:
+                        return await manifest_service.fetch_manifest(self.substrate, peer, run_id)
+                    except mf.ManifestError as e:
+                        rejected = True
+                        reasons[peer.to_base58()] = f"served a bad manifest: {e}"
+                        log.warning("peer %s served a bad manifest for %s: %s", peer, run_id, e)
+                    except (LookupError, RemoteProtocolError) as e:
+                        reasons[peer.to_base58()] = str(e)
+                    except Exception as e:
+                        reasons[peer.to_base58()] = f"no answer ({type(e).__name__})"
+                await trio.sleep(delay)  # retry: providers may appear as the run starts
+                delay = min(delay * 2, 2.0)
+                if tried and len(tried) >= len(self.substrate.connected_peers()) + len(providers):
+                    tried.clear()  # ask everyone again: they may have joined the run since
+        detail = "".join(f"\n  {p}: {r}" for p, r in sorted(reasons.items())) or \
+            "\n  (no peer in the DHT provides it)"
+        error = ManifestRejected if rejected else RunNotFound
+        raise error(f"could not get the manifest of run {run_id} within "
+                    f"{self.config.join_timeout_s:g} s:{detail}\n"
+                    "Check the run-id, and that a node holding the run is reachable.")
+
+    async def _announce(self, nursery: trio.Nursery, run_id: str) -> None:
+        dht = self.substrate.dht
+        assert dht is not None
+        dht.reprovide_interval = self.config.reprovide_s
+        await dht.provide(run_key(run_id))
+        nursery.start_soon(self._listen_heartbeats, run_id)
+        if not self._record_loop_started:
+            self._record_loop_started = True
+            nursery.start_soon(self._peer_record_loop)
+
+    async def _peer_record_loop(self) -> None:
+        """Keep our signed peer record (addresses, runs served) fresh in the DHT."""
+        while True:
+            await self.substrate.ready.wait()
+            dht = self.substrate.dht
+            assert dht is not None
+            runs = [self.config.run_id] if self.config.run_id else self.store.run_ids()
+            value = records.encode(self.signer, time.time_ns() // 1_000_000,
+                                   self.substrate.addrs(), runs)
+            try:
+                await dht.put(records.peer_key(self.peer_id), value)
+            except Exception as e:  # e.g. nobody to store it on yet; try again later
+                log.debug("peer record put failed: %r", e)
+            await trio.sleep(self.config.reprovide_s)
+
+    async def _heartbeat_loop(self, run_id: str) -> None:
+        topic = hb.topic(run_id)
+        while True:
+            self._hb_seq += 1
+            beat = hb.Heartbeat(self.peer_id, self._hb_seq, tuple(self.substrate.addrs()),
+                                role="node", device=self.device, stats=self.heartbeat_stats())
+            self.publisher.publish_nowait(topic, beat.encode())
+            await trio.sleep(self.config.heartbeat_s)
+
+    def heartbeat_stats(self) -> dict[str, Any]:
+        """Numbers gossiped to the swarm with each heartbeat (the trainer adds its own)."""
+        return {"uptime": round(time.monotonic() - self.started, 1)}
+
+    async def _listen_heartbeats(self, run_id: str) -> None:
+        topic = hb.topic(run_id)
+        while True:  # re-subscribe if the host restarts
+            await self.substrate.ready.wait()
+            pubsub = self.substrate.pubsub
+            assert pubsub is not None
+            subscription = await pubsub.subscribe(topic)
+            try:
+                while True:
+                    msg = await subscription.get()
+                    sender = ID(msg.from_id).to_base58()
+                    if sender == self.peer_id:
+                        continue
+                    try:
+                        beat = hb.decode(msg.data, sender)
+                    except RemoteProtocolError as e:
+                        self.rejected_heartbeats += 1
+                        log.info("rejected heartbeat from %s: %s", sender, e)
+                        continue
+                    self._on_heartbeat(beat)
+            except Exception as e:
+                log.warning("heartbeat subscription ended (%r); re-subscribing", e)
+                await trio.sleep(0.5)
+
+    def _on_heartbeat(self, beat: hb.Heartbeat) -> None:
+        now = time.monotonic()
+        if self.first_peer_after_s is None and beat.role == "node":
+            self.first_peer_after_s = now - self.started
+            log.info("first peer seen after %.2f s: %s", self.first_peer_after_s, beat.peer)
+        elif self.peers.get(beat.peer) is None:
+            log.info("peer joined: %s", beat.peer)
+        self.peers.seen(beat.peer, now, list(beat.addrs),
+                        {"role": beat.role, "device": beat.device, "stats": beat.stats})
+
+    # -- status -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        dht = self.substrate.dht
+        live = [e for e in self.peers.live(now) if e.info.get("role") == "node"]
+        return {
+            "peer_id": self.peer_id,
+            "role": self.config.role,
+            "phase": self.phase,
+            "run": self.config.run_id,
+            "run_name": self.manifest.run.name if self.manifest else None,
+            "runs_served": self.store.run_ids(),
+            "addrs": self.substrate.addrs(),
+            "device": self.device,
+            "uptime_s": round(now - self.started, 1),
+            "first_peer_after_s": self.first_peer_after_s,
+            "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
+                       "addrs": e.addrs, **e.info} for e in live],
+            "connections": len(self.substrate.connected_peers()),
+            "dht_routing_table": dht.routing_table_size() if dht else 0,
+            "handler_errors": self.substrate.stats.handler_errors,
+            "host_restarts": self.substrate.stats.restarts,
+            "rejected_heartbeats": self.rejected_heartbeats,
+            "gossip": vars(self.publisher.stats),
+        }
+
+
+def _resolve_device(device: str) -> str:
+    """`auto` picks CUDA when torch sees a GPU. Imported lazily: torch costs ~1 s to import."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NodeError(f"--device {device}: torch sees no CUDA device on this machine")
+    return device
+
+
+async def run_node(config: NodeConfig) -> None:
+    node = Node(config)
+    await node.run()

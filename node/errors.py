@@ -1,0 +1,23 @@
+"""Errors a user of `node join` can see. Each message says what went wrong and what to try."""
+
+
+class NodeError(Exception):
+    """Base: the CLI prints the message (no traceback) and exits with `exit_code`."""
+
+    exit_code = 1
+
+
+class BootstrapUnreachable(NodeError):
+    exit_code = 3
+
+
+class RunNotFound(NodeError):
+    exit_code = 4
+
+
+class ManifestRejected(NodeError):
+    exit_code = 5
+
+
+class StateDirError(NodeError):
+    exit_code = 6

@@ -1,0 +1,256 @@
+"""A local testnet: one bootstrap and N node processes on loopback, each with a state dir.
+
+The testnet's directory holds `testnet.json` (who runs where, with which pid) and one
+state directory per process. Nothing is left behind:
+
+* `down` sends SIGTERM to every process group it started, then SIGKILL after a deadline;
+* in the foreground, children get PR_SET_PDEATHSIG, so the kernel kills them if the
+  launcher dies (even by SIGKILL); detached testnets (`-d`) outlive the launcher on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from node.control import ControlUnavailable, query_control
+from node.runstore import RunStore, atomic_write
+from protocols import manifest as mf
+
+STATE_FILE = "testnet.json"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class TestnetError(Exception):
+    """Something a user of `node testnet` must know about; the message says what."""
+
+    __test__ = False  # not a pytest class
+
+
+def default_dir() -> Path:
+    return Path(platformdirs.user_state_dir("peertrain", appauthor=False)) / "testnet"
+
+
+@dataclass
+class Proc:
+    name: str
+    state_dir: str
+    pid: int
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Testnet:
+    dir: str
+    run_id: str
+    bootstrap_addr: str
+    procs: list[Proc]
+    detached: bool
+    launcher_pid: int
+
+    def save(self) -> None:
+        atomic_write(Path(self.dir) / STATE_FILE, json.dumps(asdict(self), indent=2).encode())
+
+    @classmethod
+    def load(cls, directory: Path) -> Testnet | None:
+        try:
+            doc = json.loads((Path(directory) / STATE_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        doc["procs"] = [Proc(**p) for p in doc["procs"]]
+        return cls(**doc)
+
+
+def default_manifest_path() -> Path:
+    return Path(str(resources.files("testnet") / "default_manifest.toml"))
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def alive(pid: int, state_dir: str | None = None) -> bool:
+    """True if `pid` runs and (when given) is the node for `state_dir`: pids get reused."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":  # a zombie: exited, not yet reaped
+        return False
+    return state_dir is None or state_dir.encode() in cmdline
+
+
+def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
+           env: dict[str, str]) -> Proc:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "cli", *args, "--state-dir", str(state_dir)]
+    log = open(state_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True, env=env,
+                         preexec_fn=None if detached else _pdeathsig)
+    log.close()
+    return Proc(name, str(state_dir), p.pid, args)
+
+
+def _wait_for(predicate, timeout: float, what: str, procs: list[Proc]) -> Any:
+    """Poll `predicate` until it returns a value; fail early if a process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if not alive(p.pid, p.state_dir):
+                raise TestnetError(f"{p.name} exited while waiting for {what}:\n"
+                                   + tail(Path(p.state_dir) / "stdout.log", 15))
+        time.sleep(0.1)
+    raise TestnetError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: bool = False,
+       extra_node_args: list[str] | None = None, timeout: float = 60.0,
+       on_progress=lambda msg: None) -> Testnet:
+    """Start a bootstrap and `nodes` nodes; return once every node is running."""
+    if nodes < 1:
+        raise TestnetError("--nodes must be at least 1")
+    directory = Path(directory).resolve()
+    existing = Testnet.load(directory)
+    if existing and any(alive(p.pid, p.state_dir) for p in existing.procs):
+        raise TestnetError(f"a testnet is already running in {directory}; "
+                           "run `node testnet down` first")
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        m = mf.load_manifest_file(manifest or default_manifest_path())
+    except mf.ManifestError as e:
+        raise TestnetError(str(e)) from e
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    boot_dir = directory / "bootstrap"
+    run_id = RunStore(boot_dir).put(mf.canonical_bytes(m))
+    (boot_dir / "addrs.json").unlink(missing_ok=True)
+    procs: list[Proc] = []
+    net = Testnet(str(directory), run_id, "", procs, detached, os.getpid())
+    try:
+        on_progress("starting the bootstrap")
+        procs.append(_spawn("bootstrap", boot_dir, ["bootstrap", "--listen", LOOPBACK],
+                            detached, env))
+        net.save()
+        addrs = _wait_for(lambda: _read_addrs(boot_dir), timeout, "the bootstrap to listen", procs)
+        net.bootstrap_addr = addrs[0]
+        on_progress(f"starting {nodes} nodes on run {run_id}")
+        for i in range(1, nodes + 1):
+            d = directory / f"node{i}"
+            (d / "addrs.json").unlink(missing_ok=True)
+            procs.append(_spawn(f"node{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
+                                                "--listen", LOOPBACK, *(extra_node_args or [])],
+                                detached, env))
+        net.save()
+        _wait_for(lambda: all(_phase(p) == "running" for p in procs), timeout,
+                  "every node to join the run", procs)
+    except BaseException:
+        down(directory)
+        raise
+    return net
+
+
+def _read_addrs(state_dir: Path) -> list[str] | None:
+    try:
+        return json.loads((state_dir / "addrs.json").read_text())["addrs"] or None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _phase(p: Proc) -> str | None:
+    try:
+        return query_control(Path(p.state_dir), timeout=1.0)["phase"]
+    except (ControlUnavailable, ValueError, KeyError):
+        return None
+
+
+def collect_status(net: Testnet) -> list[dict[str, Any]]:
+    rows = []
+    for p in net.procs:
+        row: dict[str, Any] = {"name": p.name, "pid": p.pid, "state_dir": p.state_dir}
+        if not alive(p.pid, p.state_dir):
+            row["error"] = "exited"
+        else:
+            try:
+                row["status"] = query_control(Path(p.state_dir), timeout=1.0)
+            except ControlUnavailable as e:
+                row["error"] = "starting" if "no node" in str(e) else "not answering"
+        rows.append(row)
+    return rows
+
+
+def down(directory: Path, timeout: float = 10.0) -> int:
+    """Stop every process of the testnet; returns how many were running."""
+    net = Testnet.load(Path(directory).resolve())
+    if net is None:
+        return 0
+    running = [p for p in net.procs if alive(p.pid, p.state_dir)]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p.pid, p.state_dir) for p in running):
+        _reap()
+        time.sleep(0.05)
+    for p in running:
+        if alive(p.pid, p.state_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    _reap()
+    (Path(net.dir) / STATE_FILE).unlink(missing_ok=True)
+    return len(running)
+
+
+def _reap() -> None:
+    """Collect our own exited children so they do not linger as zombies."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def kill_node(net: Testnet, name: str, sig: int = signal.SIGKILL) -> Proc:
+    for p in net.procs:
+        if p.name == name:
+            os.killpg(p.pid, sig)
+            return p
+    raise TestnetError(f"no process named {name} in this testnet")
+
+
+def restart_node(net: Testnet, name: str) -> Proc:
+    """Start a (killed) node again with its same state directory: same identity."""
+    for i, p in enumerate(net.procs):
+        if p.name == name:
+            if alive(p.pid, p.state_dir):
+                raise TestnetError(f"{name} is still running")
+            (Path(p.state_dir) / "addrs.json").unlink(missing_ok=True)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            new = _spawn(name, Path(p.state_dir), p.args, net.detached, env)
+            net.procs[i] = new
+            net.save()
+            return new
+    raise TestnetError(f"no process named {name} in this testnet")

@@ -1,0 +1,52 @@
+"""Shared fixtures: real node processes on loopback, and waiting with deadlines (no sleeps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testnet import launcher
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+               interval: float = 0.1) -> Any:
+    """Poll a condition until it holds or the deadline passes (then fail, saying what)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def run_cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def testnet_factory(tmp_path: Path) -> Iterator[Callable[..., launcher.Testnet]]:
+    """Start testnets under tmp_path; every one is torn down after the test."""
+    started: list[Path] = []
+
+    def start(nodes: int, name: str = "tn", **kwargs: Any) -> launcher.Testnet:
+        directory = tmp_path / name
+        started.append(directory)
+        kwargs.setdefault("detached", True)
+        return launcher.up(directory, nodes, **kwargs)
+
+    yield start
+    for directory in started:
+        launcher.down(directory)
