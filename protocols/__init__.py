@@ -1,1 +1,1 @@
-"""Application protocols as sans-IO cores: bytes in, bytes and events out. Never imports trio or libp2p."""
+"""Application protocols as sans-IO cores: bytes in, bytes and events out. No trio, no libp2p."""
