@@ -1,0 +1,190 @@
+"""The training service: the trainer in one dedicated OS thread, gossip averaging around it.
+
+Runtime model (docs/architecture.md): torch runs in one thread of its own (torch releases
+the GIL inside its ops, so the trio loop stays responsive); every network object stays on
+the trio thread. The two talk through two queues:
+
+    trainer thread --(Boundary(round r, snapshot θ_r))--> trio: exchange with r's partner
+    trio --(Outcome(round r, partner θs or none))--> trainer thread: outer step
+
+Delayed application. The exchange for round r runs while the inner steps of round r+1
+compute. When round r's outcome arrives (at the first inner step after it lands), the
+trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/optim) and
+moves its live weights to φ plus the local progress made since the snapshot:
+θ ← φ + (θ_now − θ_r). If the outcome is still missing when round r+1 ends, round r is
+closed with a local outer step (the group is just us): a slow or dead partner delays
+nothing. The trainer never waits on the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+log = logging.getLogger("node.training")
+
+
+@dataclass(frozen=True)
+class Boundary:
+    round: int
+    snapshot: Any  # flat fp32 torch vector, owned by the receiver from now on
+
+
+@dataclass(frozen=True)
+class Outcome:
+    round: int
+    partner_thetas: list[Any]  # flat fp32 vectors; empty = local outer step
+    partner: str | None = None
+
+
+@dataclass
+class TrainingStats:
+    phase: str = "loading"
+    step: int = 0
+    round: int = 0
+    loss: float | None = None
+    val_loss: float | None = None
+    first_val_loss: float | None = None
+    lr: float = 0.0
+    compute_s: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+    last_partner: str | None = None
+    rounds_averaged: int = 0
+    rounds_local: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    params: int = 0
+    error: str | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        wall = max(1e-9, time.monotonic() - self.started_at)
+        doc = {k: v for k, v in vars(self).items() if k != "started_at"}
+        doc["wall_s"] = round(wall, 1)
+        doc["compute_fraction"] = round(min(1.0, self.compute_s / wall), 3)
+        return doc
+
+
+class TrainingService:
+    """Owns the trainer thread for one run. `exchange` is the averaging adapter's coroutine."""
+
+    def __init__(self, build: Callable[[], tuple[Any, Any, int]],
+                 exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
+                 max_steps: int | None = None) -> None:
+        # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
+        # No outer optimizer: the no-communication baseline, plain local training.
+        self._build = build
+        self._exchange = exchange
+        self.max_steps = max_steps
+        self.stats = TrainingStats()
+        self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._stop = threading.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        send, receive = trio.open_memory_channel[Boundary | BaseException | None](16)
+        token = trio.lowlevel.current_trio_token()
+
+        def post(item: Boundary | BaseException | None) -> None:
+            with contextlib.suppress(trio.RunFinishedError, trio.WouldBlock,
+                                     trio.BrokenResourceError, trio.ClosedResourceError):
+                trio.from_thread.run_sync(send.send_nowait, item, trio_token=token)
+
+        thread = threading.Thread(target=self._thread_main, args=(post,), daemon=True,
+                                  name="peertrain-trainer")
+        thread.start()
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                async for item in receive:
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    nursery.start_soon(self._run_exchange, item)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._stop.set()
+            # The thread finishes its current step (a fraction of a second) and exits.
+            await trio.to_thread.run_sync(thread.join, 30.0)
+
+    async def _run_exchange(self, boundary: Boundary) -> None:
+        if self._exchange is None:
+            outcome = Outcome(boundary.round, [])
+        else:
+            try:
+                outcome = await self._exchange(boundary.round, boundary.snapshot)
+            except Exception as e:  # any failure is a local step, never a dead trainer
+                log.warning("round %d: exchange failed (%r); local outer step", boundary.round, e)
+                outcome = Outcome(boundary.round, [])
+        self._outcomes.put(outcome)
+
+    # -- the trainer thread -----------------------------------------------------------------
+
+    def _thread_main(self, post: Callable[[Any], None]) -> None:
+        try:
+            trainer, outer, inner_steps = self._build()
+            self._train(trainer, outer, inner_steps, post)
+            post(None)
+        except BaseException as e:  # surfaces in the trio task, which logs it
+            self.stats.phase = "failed"
+            self.stats.error = f"{type(e).__name__}: {e}"
+            post(e)
+
+    def _train(self, trainer: Any, outer: Any, inner_steps: int,
+               post: Callable[[Any], None]) -> None:
+        st = self.stats
+        st.params = int(trainer.parameters_vector().numel())
+        st.phase = "training"
+        st.started_at = time.monotonic()
+        pending: dict[int, Any] = {}  # round -> snapshot awaiting its outcome
+        while not self._stop.is_set():
+            if self.max_steps is not None and st.step >= self.max_steps:
+                st.phase = "done"
+                return
+            self._apply_outcomes(trainer, outer, pending)
+            t0 = time.perf_counter()
+            s = trainer.step()
+            st.compute_s += time.perf_counter() - t0  # evaluation included: it is compute too
+            st.step, st.loss, st.lr = s.step, s.loss, s.lr
+            if s.val_loss is not None:
+                st.val_loss = s.val_loss
+                if st.first_val_loss is None:
+                    st.first_val_loss = s.val_loss
+            if outer is not None and s.step % inner_steps == 0:
+                st.round = s.step // inner_steps
+                # A round whose exchange has not come back by now is closed locally.
+                for r in sorted(pending):
+                    self._outer_step(trainer, outer, pending.pop(r), [])
+                    st.rounds_local += 1
+                snapshot = trainer.parameters_vector()
+                pending[st.round] = snapshot
+                post(Boundary(st.round, snapshot.clone()))
+
+    def _apply_outcomes(self, trainer: Any, outer: Any, pending: dict[int, Any]) -> None:
+        while True:
+            try:
+                outcome = self._outcomes.get_nowait()
+            except queue.Empty:
+                return
+            snapshot = pending.pop(outcome.round, None)
+            if snapshot is None:  # too late: that round was already closed locally
+                continue
+            self._outer_step(trainer, outer, snapshot, outcome.partner_thetas)
+            if outcome.partner_thetas:
+                self.stats.rounds_averaged += 1
+                self.stats.last_partner = outcome.partner
+            else:
+                self.stats.rounds_local += 1
+
+    @staticmethod
+    def _outer_step(trainer: Any, outer: Any, snapshot: Any, partners: list[Any]) -> None:
+        phi = outer.outer_step(snapshot, partners)
+        live = trainer.parameters_vector()
+        trainer.set_parameters_vector(phi + (live - snapshot))
