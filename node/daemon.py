@@ -145,9 +145,10 @@ class Node:
         self.manifest = await self._resolve_manifest(run_id)
         self.store.put(mf.canonical_bytes(self.manifest))
         log.info("joined run %s (%s)", run_id, self.manifest.run.name)
-        self.device = await trio.to_thread.run_sync(_resolve_device, self.config.device)
-        await self._announce(nursery, run_id)
         nursery.start_soon(self._heartbeat_loop, run_id)
+        await self._announce(nursery, run_id)
+        # torch takes a second or more to import: resolve the device after we are visible.
+        self.device = await trio.to_thread.run_sync(_resolve_device, self.config.device)
 
     async def _resolve_manifest(self, run_id: str) -> mf.Manifest:
         local = self.store.get(run_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def test_malformed_run_id_is_refused_before_anything_starts(tmp_path):
 
 
 def test_unreachable_bootstrap(tmp_path):
-    with trio.socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     peer = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
