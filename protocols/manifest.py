@@ -193,7 +193,8 @@ def parse_manifest(text: str | bytes, source: str = "<manifest>") -> Manifest:
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ManifestError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise ManifestError(
+                f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if len(text.encode("utf-8")) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: a manifest is at most {MAX_MANIFEST_BYTES} bytes")
     try:
