@@ -25,6 +25,15 @@ def node_status_table(st: dict[str, Any]) -> Group:
     head.add_row("uptime", f"{st['uptime_s']:.0f} s")
     head.add_row("addrs", "\n".join(st["addrs"]))
     head.add_row("connections", f"{st['connections']} (DHT table {st['dht_routing_table']})")
+    t = st.get("training")
+    if t:
+        head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
+                     f", val {_num(t['val_loss'], '{:.3f}')}, compute {t['compute_fraction']:.0%}")
+        head.add_row("averaging", f"{t['rounds_averaged']} rounds averaged, "
+                     f"{t['rounds_local']} local; last partner {short(t['last_partner'])}; "
+                     f"sent {_bytes(t['bytes_sent'])}, received {_bytes(t['bytes_received'])}")
+        if t.get("error"):
+            head.add_row("error", Text(t["error"], "red"))
     peers = Table(title=f"{len(st['peers'])} live peers", title_justify="left")
     for col in ("peer", "last seen", "device", "addrs"):
         peers.add_column(col)
@@ -37,16 +46,39 @@ def node_status_table(st: dict[str, Any]) -> Group:
 def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
     """One row per testnet process; `rows` come from `testnet.launcher.collect_status`."""
     table = Table(title=title, title_justify="left")
-    for col in ("node", "pid", "peer", "phase", "peers", "conns", "uptime"):
-        table.add_column(col, justify="right" if col in ("pid", "peers", "conns") else "left")
+    columns = ("node", "peer", "phase", "peers", "step", "loss", "val", "partner", "sent",
+               "recv", "compute", "uptime")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("node", "peer", "phase", "partner")
+                         else "right")
     for r in rows:
         st = r.get("status")
         if st is None:
-            table.add_row(r["name"], str(r["pid"]), "-", Text(r.get("error", "down"), "red"),
-                          "-", "-", "-")
+            table.add_row(r["name"], "-", Text(r.get("error", "down"), "red"),
+                          *["-"] * (len(columns) - 3))
             continue
-        phase = Text(st["phase"], "green" if st["phase"] == "running" else "yellow")
+        t = st.get("training") or {}
+        phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
+        phase_text = Text(phase or "-", "green" if phase in ("running", "training") else "yellow")
         peers = "-" if st["role"] == "bootstrap" else str(len(st["peers"]))
-        table.add_row(r["name"], str(r["pid"]), short(st["peer_id"]), phase, peers,
-                      str(st["connections"]), f"{st['uptime_s']:.0f} s")
+        table.add_row(
+            r["name"], short(st["peer_id"]), phase_text, peers,
+            _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"),
+            _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
+            _bytes(t.get("bytes_sent")), _bytes(t.get("bytes_received")),
+            _num(t.get("compute_fraction"), "{:.0%}"), f"{st['uptime_s']:.0f} s")
     return table
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n:.0f} TB"

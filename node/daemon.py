@@ -33,6 +33,7 @@ from node.errors import (
     StateDirError,
 )
 from node.runstore import RunStore, atomic_write
+from node.training import TrainingService
 from p2p.host import DialError, Substrate
 from p2p.identity import IdentityError, load_or_create_identity
 from p2p.peerbook import PeerBook
@@ -63,6 +64,8 @@ class Node:
         self.device = config.device
         self.rejected_heartbeats = 0
         self._record_loop_started = False
+        self.training: TrainingService | None = None
+        self.averager: Any = None  # set by the averaging adapter (node/averaging.py)
         self._hb_seq = 0
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,26 @@ class Node:
         await self._announce(nursery, run_id)
         # torch takes a second or more to import: resolve the device after we are visible.
         self.device = await trio.to_thread.run_sync(_resolve_device, self.config.device)
+        if self.config.train:
+            await self._start_training(nursery)
+
+    async def _start_training(self, nursery: trio.Nursery) -> None:
+        from node.run_config import build_training
+
+        manifest, device = self.manifest, self.device
+        assert manifest is not None
+        self.training = TrainingService(
+            lambda: build_training(manifest, self.peer_id, device),
+            exchange=self.averager.exchange if self.averager else None,
+        )
+        nursery.start_soon(self._supervise_training)
+
+    async def _supervise_training(self) -> None:
+        assert self.training is not None
+        try:
+            await self.training.run()
+        except Exception as e:  # the node stays up (and visible) with the reason in status
+            log.error("training stopped: %s", e)
 
     async def _resolve_manifest(self, run_id: str) -> mf.Manifest:
         local = self.store.get(run_id)
@@ -225,8 +248,13 @@ class Node:
             await trio.sleep(self.config.heartbeat_s)
 
     def heartbeat_stats(self) -> dict[str, Any]:
-        """Numbers gossiped to the swarm with each heartbeat (the trainer adds its own)."""
-        return {"uptime": round(time.monotonic() - self.started, 1)}
+        """Numbers gossiped to the swarm with each heartbeat."""
+        stats: dict[str, Any] = {"uptime": round(time.monotonic() - self.started, 1)}
+        if self.training is not None:
+            t = self.training.stats
+            stats.update(step=t.step, loss=t.loss, val=t.val_loss)
+            stats = {k: v for k, v in stats.items() if v is not None}
+        return stats
 
     async def _listen_heartbeats(self, run_id: str) -> None:
         topic = hb.topic(run_id)
@@ -287,6 +315,7 @@ class Node:
             "host_restarts": self.substrate.stats.restarts,
             "rejected_heartbeats": self.rejected_heartbeats,
             "gossip": vars(self.publisher.stats),
+            "training": self.training.stats.snapshot() if self.training else None,
         }
 
 
