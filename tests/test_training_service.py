@@ -1,0 +1,59 @@
+"""The training service's delayed-application rule, with a real (tiny) trainer in its thread."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from node.optim.noloco import NoLoCo, NoLoCoConfig
+from node.trainer.loop import TrainConfig, Trainer
+from node.trainer.tasks import TaskConfig, build_task
+from node.training import Outcome, TrainingService
+
+H = 5
+
+
+def build(seed: int = 0):
+    def make():
+        trainer = Trainer(build_task(TaskConfig(name="digits-mlp")),
+                          TrainConfig(batch_size=16, eval_every=0, seed=seed, warmup_steps=1))
+        return trainer, NoLoCo(trainer.parameters_vector(), NoLoCoConfig()), H
+    return make
+
+
+async def test_outcomes_are_applied_and_late_rounds_fall_back_to_local_steps():
+    seen: list[int] = []
+
+    async def exchange(r: int, snapshot: torch.Tensor) -> Outcome:
+        seen.append(r)
+        if r % 2:  # odd rounds: a partner that answers at once
+            return Outcome(r, [snapshot + 1.0], partner="peer-a")
+        await trio.sleep_forever()  # even rounds: a partner that never answers
+
+    service = TrainingService(build(), exchange, max_steps=6 * H)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.run)
+            while service.stats.phase != "done":
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    st = service.stats
+    assert st.step == 6 * H
+    assert seen == [1, 2, 3, 4, 5, 6]
+    # Odd rounds were averaged; even rounds were closed locally one round later, except the
+    # last round, which was still pending when training stopped.
+    assert st.rounds_averaged == 3 and st.last_partner == "peer-a"
+    assert st.rounds_local == 2
+    assert st.compute_s > 0 and 0 < st.snapshot()["compute_fraction"] <= 1
+
+
+async def test_applied_outer_step_keeps_progress_made_since_the_snapshot():
+    """θ ← φ + (θ_now − θ_r): an outcome applied late moves the weights by φ − θ_r only."""
+    trainer, outer, _ = build()()
+    snapshot = trainer.parameters_vector()
+    trainer.step()
+    trainer.step()
+    live = trainer.parameters_vector()
+    expected_phi = NoLoCo(snapshot, NoLoCoConfig()).outer_step(snapshot, [snapshot + 2.0])
+    TrainingService._outer_step(trainer, outer, snapshot, [snapshot + 2.0])
+    assert torch.allclose(trainer.parameters_vector(), expected_phi + (live - snapshot), atol=1e-6)
