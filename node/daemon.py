@@ -32,6 +32,7 @@ from node.errors import (
     RunNotFound,
     StateDirError,
 )
+from node.rundoc_sync import RunDocSync
 from node.runstore import RunStore, atomic_write
 from node.training import TrainingService
 from p2p.host import DialError, Substrate
@@ -65,6 +66,7 @@ class Node:
         self.rejected_heartbeats = 0
         self._record_loop_started = False
         self.training: TrainingService | None = None
+        self.rundoc: RunDocSync | None = None
         self.averager: Any = None  # set by the averaging adapter (node/averaging.py)
         self._hb_seq = 0
         try:
@@ -150,6 +152,13 @@ class Node:
         log.info("joined run %s (%s)", run_id, self.manifest.run.name)
         nursery.start_soon(self._heartbeat_loop, run_id)
         await self._announce(nursery, run_id)
+        self.rundoc = RunDocSync(
+            self.substrate, self.publisher, run_id, self.signer,
+            list(self.manifest.network.admins), self.config.state_dir,
+            own_entries=lambda: {"addrs": self.substrate.addrs(), "role": "node",
+                                 "device": self.device, "stats": self.heartbeat_stats()},
+            live_peers=lambda: [e.peer_id for e in self.peers.live(time.monotonic())])
+        await nursery.start(self.rundoc.run)
         # torch takes a second or more to import: resolve the device after we are visible.
         self.device = await trio.to_thread.run_sync(_resolve_device, self.config.device)
         if self.config.train:
@@ -316,7 +325,18 @@ class Node:
             "rejected_heartbeats": self.rejected_heartbeats,
             "gossip": vars(self.publisher.stats),
             "training": self.training.stats.snapshot() if self.training else None,
+            "members": self._members(),
+            "run_document": self.rundoc.statistics() if self.rundoc else None,
         }
+
+    def _members(self) -> list[dict[str, Any]]:
+        """Membership as the run document has it (own entries signed by each peer)."""
+        if self.rundoc is None:
+            return []
+        now = time.time_ns() // 1_000_000
+        members = self.rundoc.members(ttl_s=3 * self.rundoc.announce_s + 2)
+        return [{"peer_id": p, "last_seen_s": round((now - info.pop("last_seen_ms")) / 1000, 1),
+                 **info} for p, info in sorted(members.items()) if p != self.peer_id]
 
 
 def _resolve_device(device: str) -> str:

@@ -1,0 +1,247 @@
+"""Adapter for `/peertrain/avg/1.0.0`: pairwise weight exchange for NoLoCo rounds.
+
+The sans-IO protocol (protocols/averaging.py) says what is sent; this module decides with
+whom and when, and pumps a libp2p stream through it:
+
+* Pairing: round r's groups are a deterministic function of r and the sorted live
+  membership (node/optim/pairing.py), so both sides agree without a coordinator. Within a
+  group the peer with the smaller id dials. If views differ, the responder rejects an
+  initiator that is not in its group, and both fall back to a local step.
+* Deadlines come from measurements, not constants: each partner's observed throughput
+  (EWMA) gives the expected transfer time of our vector, and the trainer's measured step
+  time gives the slack for a partner that reaches the round boundary a little later.
+* A partner that is gone, slow, rejects, or sends anything invalid (wrong shape, NaN/Inf,
+  unknown codec, truncated frame) costs one local outer step and a logged reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+
+from node.streams import READ_SIZE, write_chunks
+from node.training import Outcome
+from p2p.host import Substrate
+from protocols import averaging as av
+from protocols.errors import RemoteProtocolError
+from protocols.wire import NEED_DATA
+
+log = logging.getLogger("node.averaging")
+
+PROTOCOL_ID = av.PROTOCOL_ID
+
+
+@dataclass
+class PartnerStats:
+    bytes_per_s: float = 50e6  # prior until measured: a modest LAN link
+    exchanges: int = 0
+    failures: int = 0
+
+
+@dataclass
+class _Round:
+    snapshot: Any = None
+    ready: trio.Event = field(default_factory=trio.Event)
+    inbound: dict[str, Any] = field(default_factory=dict)
+    inbound_done: dict[str, trio.Event] = field(default_factory=dict)
+
+
+class Averager:
+    def __init__(self, substrate: Substrate, run_id: str, me: str,
+                 members: Callable[[], list[str]], *, codecs: list[str], group_size: int = 2,
+                 step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
+                 stats: Any = None) -> None:
+        self.substrate = substrate
+        self.run_id = run_id
+        self.me = me
+        self.members = members
+        self.codecs = codecs
+        self.group_size = group_size
+        self.step_time = step_time
+        self.inner_steps = inner_steps
+        self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
+        self.partners: dict[str, PartnerStats] = {}
+        self.rejected: list[str] = []
+        self._rounds: dict[int, _Round] = {}
+        self._current = 0
+        substrate.set_handler(PROTOCOL_ID, self._handle)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _round(self, r: int) -> _Round:
+        slot = self._rounds.get(r)
+        if slot is None:
+            slot = self._rounds[r] = _Round()
+            for old in [k for k in self._rounds if k < r - 2]:  # bounded: a few rounds kept
+                del self._rounds[old]
+        return slot
+
+    def group(self, r: int) -> list[str]:
+        from node.optim.pairing import group_of
+
+        peers = sorted({*self.members(), self.me})
+        return [p for p in group_of(self.me, r, peers, self.group_size) if p != self.me]
+
+    def deadline(self, partner: str, numel: int) -> float:
+        """Expected transfer (4x margin) plus the skew a partner may have at the boundary."""
+        rate = self.partners.get(partner, PartnerStats()).bytes_per_s
+        transfer = 2 * numel * 4 / max(rate, 1e5)
+        skew = 0.5 * self.inner_steps * self.step_time()
+        return max(2.0, 4 * transfer + skew)
+
+    def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
+        st = self.partners.setdefault(partner, PartnerStats())
+        if ok and seconds > 0:
+            st.bytes_per_s = 0.7 * st.bytes_per_s + 0.3 * (nbytes / seconds) if st.exchanges \
+                else nbytes / seconds
+            st.exchanges += 1
+        elif not ok:
+            st.failures += 1
+
+    def _count(self, sent: int, received: int) -> None:
+        if self.stats is not None:
+            self.stats.bytes_sent += sent
+            self.stats.bytes_received += received
+
+    # -- the trainer's side -----------------------------------------------------------
+
+    async def exchange(self, r: int, snapshot: Any) -> Outcome:
+        """Called by the training service at round r's boundary; never raises."""
+        self._current = max(self._current, r)
+        slot = self._round(r)
+        slot.snapshot = snapshot
+        slot.ready.set()
+        partners = self.group(r)
+        if not partners:
+            return Outcome(r, [])
+        results: dict[str, Any] = {}
+        numel = int(snapshot.numel())
+        async with trio.open_nursery() as nursery:
+            for p in partners:
+                nursery.start_soon(self._with_partner, r, p, snapshot, numel, results)
+        thetas = [results[p] for p in partners if p in results]
+        return Outcome(r, thetas, partner=",".join(p for p in partners if p in results) or None)
+
+    async def _with_partner(self, r: int, partner: str, snapshot: Any, numel: int,
+                            results: dict[str, Any]) -> None:
+        limit = self.deadline(partner, numel)
+        started = time.monotonic()
+        try:
+            with trio.fail_after(limit):
+                if self.me < partner:
+                    theta = await self._initiate(r, partner, snapshot)
+                else:
+                    slot = self._round(r)
+                    done = slot.inbound_done.setdefault(partner, trio.Event())
+                    await done.wait()
+                    theta = slot.inbound.pop(partner, None)
+            if theta is None:
+                raise RemoteProtocolError("partner did not complete the exchange")
+            results[partner] = theta
+            self._record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
+        except trio.TooSlowError:
+            self._record(partner, 0, 0, ok=False)
+            log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
+        except Exception as e:
+            self._record(partner, 0, 0, ok=False)
+            log.info("round %d: exchange with %s failed (%s); local step", r, partner, e)
+
+    async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
+        stream = await self.substrate.open_stream(ID.from_base58(partner), PROTOCOL_ID)
+        try:
+            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs)
+            await stream.write(ex.initiate())
+            event = await self._next(stream, ex)
+            if isinstance(event, av.Rejected):
+                raise RemoteProtocolError(f"rejected: {event.reason}")
+            if not isinstance(event, av.Accepted):
+                raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
+            return await self._swap(stream, ex, snapshot)
+        finally:
+            await _close(stream)
+
+    # -- the responder's side ---------------------------------------------------------
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            await self._respond(stream, peer)
+        finally:
+            await _close(stream)
+
+    async def _respond(self, stream: INetStream, peer: str) -> None:
+        ex = av.Exchange("responder", self.run_id, None, None, self.codecs)
+        with trio.fail_after(10):
+            offer = await self._next(stream, ex)
+        if not isinstance(offer, av.OfferReceived):
+            raise RemoteProtocolError(f"expected an offer, got {type(offer).__name__}")
+        r = offer.round
+        reason = None
+        if r < self._current - 1:
+            reason = f"round {r} is over here (at {self._current})"
+        elif peer not in self.group(r):
+            reason = f"not my partner in round {r}"
+        if reason:
+            await stream.write(ex.reject(reason))
+            return
+        slot = self._round(r)
+        done = slot.inbound_done.setdefault(peer, trio.Event())
+        try:
+            # Our own trainer may reach the boundary a little after the partner did.
+            with trio.fail_after(self.deadline(peer, offer.numel)):
+                await slot.ready.wait()
+            await stream.write(ex.accept(av.negotiate(self.codecs, offer.codecs)))
+            slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot)
+        finally:
+            done.set()
+
+    # -- both sides -----------------------------------------------------------------
+
+    async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any) -> Any:
+        """Send our vector while receiving theirs (full duplex), return theirs."""
+        chunks = ex.send_vector(snapshot)
+        sent = sum(len(memoryview(c).cast("B")) for c in chunks)
+        received = 0
+
+        async def send() -> None:
+            await write_chunks(stream, chunks)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            while True:
+                event = await self._next(stream, ex)
+                if isinstance(event, av.PeerDone):
+                    break
+                if isinstance(event, av.ChunkReceived):
+                    received += event.nbytes if hasattr(event, "nbytes") else 0
+        self._count(sent, received or sent)
+        return ex.received_vector()
+
+    async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
+        while True:
+            event = ex.next_event()
+            if event is not NEED_DATA:
+                return event
+            try:
+                data = await stream.read(READ_SIZE)
+            except StreamEOF:
+                data = b""
+            if not data:
+                raise RemoteProtocolError("stream ended in the middle of the exchange")
+            ex.receive_data(data)
+
+
+async def _close(stream: INetStream) -> None:
+    try:
+        with trio.move_on_after(2):
+            await stream.close()
+    except Exception:
+        pass

@@ -1,0 +1,216 @@
+"""Keeps this node's replica of the run document (protocols/rundoc.py) in sync.
+
+* Own entries (`peer/<me>/addrs|role|device|stats|last_seen`) are rewritten every
+  `announce_s` and gossiped as one batched delta on `/peertrain/<run-id>/meta/1`; gossip is
+  lossy, so re-announcing is what makes it reliable.
+* Anti-entropy over `/peertrain/meta/1.0.0`: when a peer first appears and then every
+  `anti_entropy_s` with a random live peer. One round trip each way:
+      initiator -> meta.summary {summary}
+      responder -> meta.delta   {delta: what the initiator lacks, summary: responder's}
+      initiator -> meta.delta   {delta: what the responder lacks}
+* The replica is saved atomically in the state directory every `persist_s` and at exit,
+  and reloaded (every entry re-verified) on start.
+Merges that reject entries (bad signature, another peer's namespace, not an admin) are
+logged with the reason; the document is unchanged by them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
+
+from node.runstore import atomic_write
+from node.streams import next_event
+from p2p.host import Substrate
+from p2p.pubsub import PacedPublisher
+from protocols import rundoc
+from protocols.errors import ProtocolError, RemoteProtocolError
+from protocols.keys import Signer
+from protocols.wire import Envelope, FrameDecoder, encode_envelope
+
+log = logging.getLogger("node.rundoc")
+
+PROTOCOL_ID = "/peertrain/meta/1.0.0"
+MAX_FRAME = 2 << 20  # a delta is at most 1 MiB; its envelope adds a few bytes
+
+
+def topic(run_id: str) -> str:
+    return f"/peertrain/{run_id}/meta/1"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class RunDocSync:
+    def __init__(self, substrate: Substrate, publisher: PacedPublisher, run_id: str,
+                 signer: Signer, admins: list[str], state_dir: Path,
+                 own_entries: Callable[[], dict[str, Any]], live_peers: Callable[[], list[str]],
+                 *, announce_s: float = 2.0, anti_entropy_s: float = 10.0,
+                 persist_s: float = 10.0, gc_horizon_s: float = 3600.0) -> None:
+        self.substrate, self.publisher = substrate, publisher
+        self.run_id, self.signer = run_id, signer
+        self.path = Path(state_dir) / f"rundoc-{run_id}.bin"
+        self.own_entries, self.live_peers = own_entries, live_peers
+        self.announce_s, self.anti_entropy_s = announce_s, anti_entropy_s
+        self.persist_s, self.gc_horizon_ms = persist_s, int(gc_horizon_s * 1000)
+        self.rejected = 0
+        self.syncs = 0
+        self.doc = self._load(admins)
+        self._synced_with: set[str] = set()
+        substrate.set_handler(PROTOCOL_ID, self._handle)
+
+    def _load(self, admins: list[str]) -> rundoc.RunDocument:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return rundoc.RunDocument(self.run_id, self.signer, admins)
+        try:
+            doc = rundoc.RunDocument.from_bytes(data, self.run_id, self.signer, admins)
+            log.info("loaded run document: %d entries", len(doc))
+            return doc
+        except ProtocolError as e:  # a corrupt file costs a resync, never a crash
+            log.warning("run document %s unusable (%s); starting empty", self.path, e)
+            return rundoc.RunDocument(self.run_id, self.signer, admins)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._listen)
+            nursery.start_soon(self._announce_loop)
+            nursery.start_soon(self._anti_entropy_loop)
+            nursery.start_soon(self._persist_loop)
+            task_status.started()
+
+    # -- reads for node status ------------------------------------------------------------
+
+    def members(self, ttl_s: float) -> dict[str, dict[str, Any]]:
+        """Peers with a fresh last_seen entry, with their own entries as a dict."""
+        out = {}
+        for peer, wall_ms in self.doc.members(now_ms(), int(ttl_s * 1000)).items():
+            prefix = f"peer/{peer}/"
+            info = {k[len(prefix):]: v for k, v in self.doc.items(prefix)}
+            info["last_seen_ms"] = wall_ms
+            out[peer] = info
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        st = self.doc.statistics()
+        return {"entries": st.entries, "tombstones": st.tombstones, "rejected": self.rejected,
+                "anti_entropy_rounds": self.syncs, "digest": self.doc.digest().hex()[:16]}
+
+    # -- writing and gossip -----------------------------------------------------------------
+
+    def _merge(self, delta: bytes, source: str) -> None:
+        result = self.doc.merge(delta, now_ms())
+        for key, reason in result.rejected:
+            self.rejected += 1
+            log.warning("run document: rejected %s from %s: %s", key, source, reason)
+
+    async def _announce_loop(self) -> None:
+        me = self.signer.peer_id
+        while True:
+            t = now_ms()
+            for name, value in {**self.own_entries(), "last_seen": t}.items():
+                self.doc.set(f"peer/{me}/{name}", value, t)
+            self.publisher.publish_nowait(topic(self.run_id),
+                                          self.doc.encode_delta(self.doc.entries(f"peer/{me}/")))
+            await trio.sleep(self.announce_s)
+
+    async def _listen(self) -> None:
+        while True:
+            await self.substrate.ready.wait()
+            assert self.substrate.pubsub is not None
+            subscription = await self.substrate.pubsub.subscribe(topic(self.run_id))
+            try:
+                while True:
+                    msg = await subscription.get()
+                    sender = ID(msg.from_id).to_base58()
+                    if sender == self.signer.peer_id:
+                        continue
+                    try:
+                        self._merge(msg.data, sender)
+                    except RemoteProtocolError as e:
+                        self.rejected += 1
+                        log.info("run document: bad delta from %s: %s", sender, e)
+            except Exception as e:
+                log.warning("meta subscription ended (%r); re-subscribing", e)
+                await trio.sleep(0.5)
+
+    # -- anti-entropy -------------------------------------------------------------------------
+
+    async def _anti_entropy_loop(self) -> None:
+        last_full = 0.0
+        while True:
+            await trio.sleep(0.5)
+            live = [p for p in self.live_peers() if p != self.signer.peer_id]
+            new = [p for p in live if p not in self._synced_with]
+            due = time.monotonic() - last_full >= self.anti_entropy_s
+            targets = new[:4] if new else ([random.choice(live)] if live and due else [])
+            if due:
+                last_full = time.monotonic()
+            for peer in targets:
+                self._synced_with.add(peer)
+                try:
+                    with trio.fail_after(10):
+                        await self._sync_with(peer)
+                    self.syncs += 1
+                except Exception as e:
+                    log.info("anti-entropy with %s failed: %r", peer, e)
+
+    async def _sync_with(self, peer: str) -> None:
+        stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID)
+        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        try:
+            await stream.write(encode_envelope(
+                Envelope("meta.summary", 1, {"summary": self.doc.summary()}),
+                max_frame_bytes=MAX_FRAME))
+            reply = _expect(await next_event(stream, decoder), "meta.delta")
+            self._merge(reply["delta"], peer)
+            await stream.write(encode_envelope(
+                Envelope("meta.delta", 1, {"delta": self.doc.delta_since(reply["summary"])}),
+                max_frame_bytes=MAX_FRAME))
+        finally:
+            await stream.close()
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        try:
+            with trio.fail_after(10):
+                request = _expect(await next_event(stream, decoder), "meta.summary")
+                await stream.write(encode_envelope(Envelope("meta.delta", 1, {
+                    "delta": self.doc.delta_since(request["summary"]),
+                    "summary": self.doc.summary()}), max_frame_bytes=MAX_FRAME))
+                final = _expect(await next_event(stream, decoder), "meta.delta")
+                self._merge(final["delta"], peer)
+        finally:
+            await stream.close()
+
+    # -- persistence --------------------------------------------------------------------------
+
+    async def _persist_loop(self) -> None:
+        try:
+            while True:
+                await trio.sleep(self.persist_s)
+                self.doc.gc(now_ms(), self.gc_horizon_ms)
+                await trio.to_thread.run_sync(atomic_write, self.path, self.doc.to_bytes())
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    atomic_write(self.path, self.doc.to_bytes())
+                except OSError as e:
+                    log.error("could not save the run document: %s", e)
+
+
+def _expect(event: Any, kind: str) -> dict:
+    if not isinstance(event, Envelope) or event.type != kind or not isinstance(event.body, dict):
+        raise RemoteProtocolError(f"expected {kind}")
+    return event.body
