@@ -198,10 +198,11 @@ class RunDocSync:
 
     async def _persist_loop(self) -> None:
         try:
+            await trio.sleep(2.0)  # a first save soon after joining, then every persist_s
             while True:
-                await trio.sleep(self.persist_s)
                 self.doc.gc(now_ms(), self.gc_horizon_ms)
                 await trio.to_thread.run_sync(atomic_write, self.path, self.doc.to_bytes())
+                await trio.sleep(self.persist_s)
         finally:
             with trio.CancelScope(shield=True):
                 try:
