@@ -10,7 +10,7 @@ from rich.text import Text
 
 
 def short(peer_id: str | None) -> str:
-    return f"…{peer_id[-8:]}" if peer_id else "-"
+    return f"…{peer_id[-6:]}" if peer_id else "-"
 
 
 def node_status_table(st: dict[str, Any]) -> Group:
@@ -46,8 +46,8 @@ def node_status_table(st: dict[str, Any]) -> Group:
 def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
     """One row per testnet process; `rows` come from `testnet.launcher.collect_status`."""
     table = Table(title=title, title_justify="left")
-    columns = ("node", "peer", "phase", "peers", "step", "loss", "val", "partner", "sent",
-               "recv", "compute", "uptime")
+    columns = ("node", "peer", "phase", "peers", "step", "loss", "val", "partner",
+               "sent/recv", "compute")
     for col in columns:
         table.add_column(col, justify="left" if col in ("node", "peer", "phase", "partner")
                          else "right")
@@ -65,8 +65,8 @@ def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
             r["name"], short(st["peer_id"]), phase_text, peers,
             _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"),
             _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
-            _bytes(t.get("bytes_sent")), _bytes(t.get("bytes_received")),
-            _num(t.get("compute_fraction"), "{:.0%}"), f"{st['uptime_s']:.0f} s")
+            f"{_bytes(t.get('bytes_sent'))}/{_bytes(t.get('bytes_received'))}",
+            _num(t.get("compute_fraction"), "{:.0%}"))
     return table
 
 

@@ -198,6 +198,10 @@ class Averager:
             # Our own trainer may reach the boundary a little after the partner did.
             with trio.fail_after(self.deadline(peer, offer.numel)):
                 await slot.ready.wait()
+            if offer.numel != slot.snapshot.numel():
+                await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
+                                             f"not {offer.numel}"))
+                return
             await stream.write(ex.accept(av.negotiate(self.codecs, offer.codecs)))
             slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot)
         finally:
@@ -221,8 +225,8 @@ class Averager:
                 if isinstance(event, av.PeerDone):
                     break
                 if isinstance(event, av.ChunkReceived):
-                    received += event.nbytes if hasattr(event, "nbytes") else 0
-        self._count(sent, received or sent)
+                    received += event.nbytes
+        self._count(sent, received)
         return ex.received_vector()
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:

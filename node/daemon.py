@@ -22,6 +22,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node import manifest_service
+from node.averaging import Averager
 from node.config import NodeConfig
 from node.control import serve_control
 from node.dht_records import VALIDATORS
@@ -67,7 +68,7 @@ class Node:
         self._record_loop_started = False
         self.training: TrainingService | None = None
         self.rundoc: RunDocSync | None = None
-        self.averager: Any = None  # set by the averaging adapter (node/averaging.py)
+        self.averager: Averager | None = None
         self._hb_seq = 0
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -169,11 +170,26 @@ class Node:
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
+        run_id = self.config.run_id
+        assert run_id is not None
+        if manifest.outer.algorithm != "none":
+            self.averager = Averager(
+                self.substrate, run_id, self.peer_id,
+                members=lambda: [e.peer_id for e in self.peers.live(time.monotonic())
+                                 if e.info.get("role") == "node"],
+                codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
+                step_time=self._step_time, inner_steps=manifest.outer.inner_steps)
         self.training = TrainingService(
             lambda: build_training(manifest, self.peer_id, device),
             exchange=self.averager.exchange if self.averager else None,
         )
+        if self.averager is not None:
+            self.averager.stats = self.training.stats
         nursery.start_soon(self._supervise_training)
+
+    def _step_time(self) -> float:
+        t = self.training.stats if self.training else None
+        return t.compute_s / t.step if t and t.step else 0.2
 
     async def _supervise_training(self) -> None:
         assert self.training is not None
