@@ -190,6 +190,7 @@ class Averager:
         elif peer not in self.group(r):
             reason = f"not my partner in round {r}"
         if reason:
+            log.info("refused offer from %s: %s", peer, reason)
             await stream.write(ex.reject(reason))
             return
         slot = self._round(r)
@@ -199,6 +200,8 @@ class Averager:
             with trio.fail_after(self.deadline(peer, offer.numel)):
                 await slot.ready.wait()
             if offer.numel != slot.snapshot.numel():
+                log.info("refused offer from %s: %d values, our model has %d", peer,
+                         offer.numel, slot.snapshot.numel())
                 await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
                                              f"not {offer.numel}"))
                 return

@@ -314,6 +314,9 @@ class Node:
             log.info("peer joined: %s", beat.peer)
         self.peers.seen(beat.peer, now, list(beat.addrs),
                         {"role": beat.role, "device": beat.device, "stats": beat.stats})
+        step = beat.stats.get("step")
+        if self.training is not None and isinstance(step, int):
+            self.training.swarm_step = max(self.training.swarm_step, step)
 
     # -- status -------------------------------------------------------------------------
 

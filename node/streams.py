@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import trio
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 
@@ -28,9 +29,22 @@ async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | Te
         decoder.feed(data)
 
 
-async def write_chunks(stream: INetStream, chunks: Iterable[bytes | memoryview]) -> None:
-    """Write a gather list; large payloads go out in 1 MiB slices of the caller's memory."""
+async def write_chunks(stream: INetStream, chunks: Iterable[bytes | memoryview],
+                       slice_timeout: float = 10.0) -> None:
+    """Write a gather list; large payloads go out in 1 MiB slices of the caller's memory.
+
+    Each slice is written shielded from cancellation (with its own deadline): py-libp2p's
+    Yamux cancelled in the middle of a frame leaves half a frame on the connection, and the
+    whole connection, not just this stream, is then lost. Cancellation takes effect
+    between slices instead.
+    """
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         for start in range(0, len(view), READ_SIZE):
-            await stream.write(bytes(view[start:start + READ_SIZE]))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            with trio.CancelScope(shield=True) as scope:
+                scope.relative_deadline = slice_timeout
+                await stream.write(bytes(view[start:start + READ_SIZE]))
+            if scope.cancelled_caught:
+                raise trio.TooSlowError("a 1 MiB write took longer than "
+                                        f"{slice_timeout:g} s; the peer is not reading")

@@ -7,6 +7,11 @@ the trio thread. The two talk through two queues:
     trainer thread --(Boundary(round r, snapshot θ_r))--> trio: exchange with r's partner
     trio --(Outcome(round r, partner θs or none))--> trainer thread: outer step
 
+Round alignment. Pairing needs every peer to agree on the round number, so a node that is
+a round or more behind the most advanced live peer (it joined late, restarted, or runs on
+a slower device) continues from that peer's round boundary instead of its own step: it
+does fewer inner steps that round, and the learning-rate schedule follows the swarm.
+
 Delayed application. The exchange for round r runs while the inner steps of round r+1
 compute. When round r's outcome arrives (at the first inner step after it lands), the
 trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/optim) and
@@ -84,6 +89,10 @@ class TrainingService:
         self._exchange = exchange
         self.max_steps = max_steps
         self.stats = TrainingStats()
+        # Highest step a live peer reported (set from the trio thread on each heartbeat).
+        # A node that is a round or more behind jumps to the swarm's round: pairing only
+        # works when peers agree on the round number (a late joiner, a restart, a slow CPU).
+        self.swarm_step = 0
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._stop = threading.Event()
 
@@ -149,6 +158,13 @@ class TrainingService:
                 st.phase = "done"
                 return
             self._apply_outcomes(trainer, outer, pending)
+            if outer is not None and self.swarm_step >= st.step + inner_steps:
+                target = self.swarm_step // inner_steps * inner_steps
+                log.info("step %d is behind the swarm (%d): continuing from step %d",
+                         st.step, self.swarm_step, target)
+                for r in sorted(pending):
+                    self._outer_step(trainer, outer, pending.pop(r), [])
+                trainer.step_count = st.step = target
             t0 = time.perf_counter()
             s = trainer.step()
             st.compute_s += time.perf_counter() - t0  # evaluation included: it is compute too

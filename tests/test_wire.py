@@ -490,7 +490,7 @@ anything = (
     | st.text(max_size=8)
     | st.binary(max_size=8)
     | st.lists(st.integers(0, 3), max_size=2)  # unhashable: `x in DTYPES` would raise
-    | st.dictionaries(st.text(max_size=2), st.integers(), max_size=2)
+    | st.dictionaries(st.text(max_size=2), st.integers(-(2**63), 2**63 - 1), max_size=2)
 )
 ODD_VALUES = [
     None, True, False, -1, 0, 2**64 - 1, 1.5, float("nan"), "", "x" * 300, "raw", "tensor",

@@ -1,0 +1,161 @@
+"""Training in a real swarm: loss falls everywhere, churn never stalls, bad partners are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from node.control import query_control
+from node.streams import write_chunks
+from p2p.host import Substrate
+from protocols import averaging as av
+from protocols import heartbeat as hb
+from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
+from testnet import launcher
+from tests.conftest import wait_until
+
+FAST_RUN = """
+schema = 1
+[run]
+name = "swarm-test"
+[model]
+task = "bytes-gpt"
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 32
+[train]
+batch_size = 8
+lr = 3e-3
+warmup_steps = 10
+eval_every = 50
+eval_batches = 2
+[outer]
+algorithm = "noloco"
+inner_steps = 100
+codec = "bf16"
+"""
+
+
+@pytest.fixture
+def fast_manifest(tmp_path: Path) -> Path:
+    path = tmp_path / "fast.toml"
+    path.write_text(FAST_RUN)
+    return path
+
+
+def training(p: launcher.Proc) -> dict:
+    try:
+        return query_control(Path(p.state_dir)).get("training") or {}
+    except Exception:
+        return {}
+
+
+def nodes(net: launcher.Testnet) -> list[launcher.Proc]:
+    return [p for p in net.procs if p.name != "bootstrap"]
+
+
+def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_manifest):
+    net = testnet_factory(3, manifest=fast_manifest)
+    for p in nodes(net):
+        wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3
+                   and t["val_loss"] is not None and t["val_loss"] < t["first_val_loss"],
+                   90, f"{p.name} to average 3 rounds with falling validation loss")
+        t = training(p)
+        assert t["bytes_sent"] > 0 and t["bytes_received"] > 0 and t["last_partner"]
+
+
+def test_sigkill_mid_run_does_not_stall_the_others(testnet_factory, fast_manifest):
+    net = testnet_factory(3, manifest=fast_manifest)
+    node1, node2, node3 = nodes(net)
+    for p in (node1, node2):
+        wait_until(lambda p=p: training(p).get("rounds_averaged", 0) >= 2, 90,
+                   f"{p.name} to average")
+    launcher.kill_node(net, "node3")
+    before = {p.name: training(p) for p in (node1, node2)}
+    for p in (node1, node2):
+        # Steps go on and the two survivors keep pairing with each other.
+        wait_until(lambda p=p: training(p)["step"] >= before[p.name]["step"] + 60, 60,
+                   f"{p.name} to keep stepping")
+        wait_until(lambda p=p: training(p)["rounds_averaged"]
+                   >= before[p.name]["rounds_averaged"] + 3, 60, f"{p.name} to re-pair")
+    launcher.restart_node(net, "node3")
+    node3 = next(p for p in net.procs if p.name == "node3")
+    wait_until(lambda: training(node3).get("rounds_averaged", 0) >= 1, 90,
+               "the restarted node3 to be paired again")
+
+
+async def test_hostile_partner_is_refused_and_training_goes_on(testnet_factory, fast_manifest):
+    """A member that sends NaN weights, a wrong size, an unknown codec or a truncated frame:
+    each is refused with a logged reason, the round falls back to a local step, and the
+    node's weights stay finite."""
+    net = testnet_factory(1, manifest=fast_manifest)
+    node = nodes(net)[0]
+    wait_until(lambda: training(node).get("step", 0) > 20, 60, "node1 to train")
+    st = query_control(Path(node.state_dir))
+    numel, victim = st["training"]["params"], st["peer_id"]
+    # The attacker must be the dialing side of the pair: the smaller peer id dials.
+    kp = next(k for k in (create_new_key_pair() for _ in range(2000))
+              if ID.from_pubkey(k.public_key).to_base58() < victim)
+    me = Substrate(kp, [launcher.LOOPBACK])
+    my_id = me.peer_id.to_base58()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(me.serve)
+        peer = await me.connect(st["addrs"][0])
+
+        async def heartbeats() -> None:  # join the run's membership like any node
+            for seq in range(1, 10_000):
+                beat = hb.Heartbeat(my_id, seq, tuple(me.addrs()), stats={"step": 0})
+                await me.pubsub.publish(hb.topic(net.run_id), beat.encode())
+                await trio.sleep(0.5)
+
+        nursery.start_soon(heartbeats)
+        wait_for = trio.current_time() + 30
+        while not any(p["peer_id"] == my_id for p in query_control(Path(node.state_dir))["peers"]):
+            assert trio.current_time() < wait_for, "the node never saw the attacker"
+            await trio.sleep(0.2)
+        for attack in ("nan", "size", "codec", "truncated"):
+            await attack_once(me, peer, net.run_id, training(node)["round"] + 1, numel, attack)
+        nursery.cancel_scope.cancel()
+    step = training(node)["step"]
+    wait_until(lambda: training(node)["step"] > step + 20, 60, "node1 to keep training")
+    t = training(node)
+    assert t["loss"] == t["loss"] and t["error"] is None  # finite, no failure
+    log = (Path(node.state_dir) / "node.log").read_text()
+    assert "NaN" in log
+    assert "7 values, our model has" in log  # the wrong size was refused
+    assert "zfp9" in log  # the unknown codec
+    assert "ended in the middle" in log  # the truncated frame
+
+
+async def attack_once(me: Substrate, peer: ID, run_id: str, r: int, numel: int,
+                      attack: str) -> None:
+    ex = av.Exchange("initiator", run_id, r, 7 if attack == "size" else numel, ["fp32"])
+    stream = await me.open_stream(peer, av.PROTOCOL_ID)
+    with trio.move_on_after(10):  # the node answers, rejects or resets: all are fine
+        try:
+            await stream.write(ex.initiate())
+            while (event := ex.next_event()) is NEED_DATA:
+                ex.receive_data(await stream.read(65536))
+            if not isinstance(event, av.Accepted):
+                return
+            vec = torch.zeros(numel)
+            vec[5] = float("nan") if attack == "nan" else 0.0
+            chunks = ex.send_vector(vec)
+            if attack == "codec":  # frames in a codec nobody agreed to
+                payload = b"\x00" * 64
+                header = make_tensor_header("theta/0", "uint8", (64,), "zfp9", payload)
+                chunks = encode_tensor_frame(header, payload)
+            if attack == "truncated":
+                chunks = [bytes(memoryview(chunks[0]).cast("B"))[:-3]]
+            await write_chunks(stream, chunks)
+            await stream.close()
+            while await stream.read(65536):
+                pass
+        except Exception:
+            pass
