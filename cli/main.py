@@ -148,6 +148,7 @@ def status(
     out.print(node_status_table(st))
 
 
-from cli import testnet_cmd  # noqa: E402  (registers `node testnet ...`)
+from cli import bench_cmd, testnet_cmd  # noqa: E402  (sub-commands)
 
 app.add_typer(testnet_cmd.app, name="testnet")
+app.add_typer(bench_cmd.app, name="bench")

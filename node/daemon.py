@@ -22,7 +22,6 @@ import trio
 from libp2p.peer.id import ID
 
 from node import manifest_service
-from node.averaging import Averager
 from node.config import NodeConfig
 from node.control import serve_control
 from node.dht_records import VALIDATORS
@@ -68,7 +67,7 @@ class Node:
         self._record_loop_started = False
         self.training: TrainingService | None = None
         self.rundoc: RunDocSync | None = None
-        self.averager: Averager | None = None
+        self.averager: Any = None  # node.averaging.Averager once training starts
         self._hb_seq = 0
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +165,7 @@ class Node:
             await self._start_training(nursery)
 
     async def _start_training(self, nursery: trio.Nursery) -> None:
+        from node.averaging import Averager  # imports torch: only nodes that train pay it
         from node.run_config import build_training
 
         manifest, device = self.manifest, self.device

@@ -1,0 +1,45 @@
+"""Writing benchmark results into docs/benchmarks.md, one marked section per benchmark."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is rewritten by the command named in it.\n"
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    libs = ", ".join(f"{p} {version(p)}" for p in ("libp2p", "trio", "torch"))
+    return (f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores ({cpu}), "
+            f"Python {platform.python_version()}, {libs}")
+
+
+def write_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace the block between `<!-- bench:NAME:start/end -->`, or append it."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else HEADER
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else \
+        text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
