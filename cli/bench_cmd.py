@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -30,8 +31,30 @@ def utilization(
     bench.main(quick=quick, nodes=nodes)
 
 
+@app.command()
+def convergence(quick: Quick = False) -> None:
+    """NoLoCo vs DiLoCo vs no communication vs synchronous, at equal compute (PNG plot)."""
+    from testnet.bench import convergence as bench
+
+    bench.main(quick=quick)
+
+
+@app.command()
+def exchange(
+    quick: Quick = False,
+    hivemind_venv: Annotated[Path | None, typer.Option(
+        help="A venv with hivemind==1.1.12 and torch==2.13.0, for the side-by-side run.")]
+    = None,
+) -> None:
+    """Wall time of one pairwise exchange between two node processes, per codec."""
+    from testnet.bench import exchange as bench
+
+    bench.main(quick=quick, hivemind_venv=hivemind_venv)
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
     p2p(quick)
     utilization(quick)
+    convergence(quick)
