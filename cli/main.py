@@ -58,6 +58,9 @@ def join(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     join_timeout: Annotated[float, typer.Option(help="Seconds to look for the run.")] = 30.0,
     no_train: Annotated[bool, typer.Option("--no-train", help="Join without training.")] = False,
+    data: Annotated[list[Path] | None, typer.Option(
+        "--data", help="Your own text/JSONL files or directories to train on (repeatable).")]
+    = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -74,7 +77,11 @@ def join(
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
-                        join_timeout_s=join_timeout, train=not no_train)
+                        join_timeout_s=join_timeout, train=not no_train,
+                        data=[str(p) for p in data or []])
+    missing = [p for p in config.data if not Path(p).exists()]
+    if missing:
+        raise fail(f"--data {missing[0]}: no such file or directory", 2)
     run_async(lambda: run_node(config))
 
 

@@ -27,6 +27,9 @@ class NodeConfig:
     join_timeout_s: float = 30.0
     reprovide_s: float = 30.0
     train: bool = True
+    # Local training data (text or JSONL files) replacing the manifest's data source on
+    # this node: data stays where it is, each peer may train on its own shard.
+    data: list[str] = field(default_factory=list)
 
     @property
     def role(self) -> str:

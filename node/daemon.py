@@ -180,7 +180,7 @@ class Node:
                 codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
                 step_time=self._step_time, inner_steps=manifest.outer.inner_steps)
         self.training = TrainingService(
-            lambda: build_training(manifest, self.peer_id, device),
+            lambda: build_training(manifest, self.peer_id, device, self.config.data),
             exchange=self.averager.exchange if self.averager else None,
         )
         if self.averager is not None:

@@ -18,7 +18,8 @@ def replica_index(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
-def build_training(m: mf.Manifest, peer_id: str, device: str) -> tuple[Any, Any, int]:
+def build_training(m: mf.Manifest, peer_id: str, device: str,
+                   data: list[str] | None = None) -> tuple[Any, Any, int]:
     """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread."""
     from node.optim.noloco import NoLoCo, NoLoCoConfig
     from node.trainer.loop import TrainConfig, Trainer
@@ -30,7 +31,8 @@ def build_training(m: mf.Manifest, peer_id: str, device: str) -> tuple[Any, Any,
         n_layers=m.model.n_layers,
         n_heads=m.model.n_heads,
         context=m.model.context,
-        data_files=tuple(m.data.paths) if m.data.source == "files" else (),
+        data_files=tuple(data) if data else tuple(m.data.paths) if m.data.source == "files"
+        else (),
         data_format=m.data.format,
         jsonl_field=m.data.jsonl_field,
         val_fraction=m.data.val_fraction,

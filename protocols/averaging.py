@@ -222,6 +222,9 @@ class Exchange:
         h = frame.header
         if h.name != f"theta/{self._next_index}":
             raise RemoteProtocolError(f"expected theta/{self._next_index}, got {h.name[:40]!r}")
+        if h.dtype != "uint8" or len(h.shape) != 1:
+            raise RemoteProtocolError(f"frame of dtype {h.dtype} shape {list(h.shape)[:4]}; "
+                                      "encoded chunks travel as 1-d uint8")
         if h.codec != self.codec:
             raise RemoteProtocolError(f"frame codec {h.codec!r}, agreed {self.codec!r}")
         count = min(self.chunk, self.numel - self._filled)
