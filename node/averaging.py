@@ -24,15 +24,13 @@ from typing import Any
 
 import trio
 from libp2p.abc import INetStream
-from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from node.streams import READ_SIZE, write_chunks
+from node.streams import pump, write_chunks
 from node.training import Outcome
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols.errors import RemoteProtocolError
-from protocols.wire import NEED_DATA
 
 log = logging.getLogger("node.averaging")
 
@@ -233,17 +231,7 @@ class Averager:
         return ex.received_vector()
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
-        while True:
-            event = ex.next_event()
-            if event is not NEED_DATA:
-                return event
-            try:
-                data = await stream.read(READ_SIZE)
-            except StreamEOF:
-                data = b""
-            if not data:
-                raise RemoteProtocolError("stream ended in the middle of the exchange")
-            ex.receive_data(data)
+        return await pump(stream, ex.next_event, ex.receive_data)
 
 
 async def _close(stream: INetStream) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import trio
 from libp2p.abc import INetStream
@@ -14,10 +15,14 @@ from protocols.wire import NEED_DATA, Envelope, FrameDecoder, TensorFrame
 READ_SIZE = 1 << 20
 
 
-async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | TensorFrame:
-    """Read until the decoder yields one event; EOF mid-message is the peer's fault."""
+async def pump(stream: INetStream, next_event: Callable[[], Any],
+               feed: Callable[[bytes], None]) -> Any:
+    """Read from `stream` into a sans-IO core until it yields an event (not NEED_DATA).
+
+    EOF in the middle of a message is the peer's fault: RemoteProtocolError.
+    """
     while True:
-        event = decoder.next_event()
+        event = next_event()
         if event is not NEED_DATA:
             return event
         try:
@@ -26,7 +31,11 @@ async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | Te
             data = b""
         if not data:
             raise RemoteProtocolError("stream ended in the middle of a message")
-        decoder.feed(data)
+        feed(data)
+
+
+async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | TensorFrame:
+    return await pump(stream, decoder.next_event, decoder.feed)
 
 
 async def write_chunks(stream: INetStream, chunks: Iterable[bytes | memoryview],
