@@ -26,6 +26,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from node.lane import LaneListener, connect_lane
 from node.streams import pump, write_chunks
 from node.training import Outcome
 from p2p.host import Substrate
@@ -56,7 +57,7 @@ class Averager:
     def __init__(self, substrate: Substrate, run_id: str, me: str,
                  members: Callable[[], list[str]], *, codecs: list[str], group_size: int = 2,
                  step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
-                 stats: Any = None) -> None:
+                 stats: Any = None, lanes: bool = True) -> None:
         self.substrate = substrate
         self.run_id = run_id
         self.me = me
@@ -70,6 +71,11 @@ class Averager:
         self.rejected: list[str] = []
         self._rounds: dict[int, _Round] = {}
         self._current = 0
+        # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed once:
+        # then that partner gets the libp2p stream (which also crosses relays and NATs).
+        self.lanes = lanes
+        self.lane_failed: set[str] = set()
+        self.lane_host = _listen_host(substrate)
         substrate.set_handler(PROTOCOL_ID, self._handle)
 
     # -- helpers ----------------------------------------------------------------------
@@ -155,14 +161,28 @@ class Averager:
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
         stream = await self.substrate.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
-            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs)
+            lanes = (av.LANE_TCP,) if self.lanes and partner not in self.lane_failed else ()
+            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs,
+                             lanes=lanes)
             await stream.write(ex.initiate())
             event = await self._next(stream, ex)
             if isinstance(event, av.Rejected):
                 raise RemoteProtocolError(f"rejected: {event.reason}")
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
-            return await self._swap(stream, ex, snapshot)
+            if event.lane is None:
+                return await self._swap(stream, ex, snapshot)
+            try:
+                host = stream.get_remote_address()[0]
+                lane = await connect_lane(host, event.lane.port, event.lane.key, timeout=2.0)
+            except (OSError, trio.TooSlowError, TypeError) as e:
+                self.lane_failed.add(partner)
+                raise RemoteProtocolError(f"bulk lane unreachable ({e!r}); "
+                                          "next rounds use the libp2p stream") from e
+            try:
+                return await self._swap(lane, ex, snapshot)
+            finally:
+                await _close(lane)
         finally:
             await _close(stream)
 
@@ -203,8 +223,22 @@ class Averager:
                 await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
                                              f"not {offer.numel}"))
                 return
-            await stream.write(ex.accept(av.negotiate(self.codecs, offer.codecs)))
-            slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot)
+            codec = av.negotiate(offer.codecs, self.codecs)
+            if not (self.lanes and av.LANE_TCP in offer.lanes):
+                await stream.write(ex.accept(codec))
+                slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot)
+                return
+            listener = LaneListener(self.lane_host)
+            try:
+                port = await listener.open()
+                await stream.write(ex.accept(codec, av.Lane(av.LANE_TCP, port, listener.key)))
+                lane = await listener.accept(timeout=5.0)
+                try:
+                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot)
+                finally:
+                    await _close(lane)
+            finally:
+                await listener.aclose()
         finally:
             done.set()
 
@@ -234,7 +268,17 @@ class Averager:
         return await pump(stream, ex.next_event, ex.receive_data)
 
 
-async def _close(stream: INetStream) -> None:
+def _listen_host(substrate: Substrate) -> str:
+    """Lanes listen where the node listens (loopback in a testnet, all interfaces else)."""
+    for addr in substrate.listen:
+        try:
+            return addr.value_for_protocol("ip4")
+        except Exception:
+            continue
+    return "0.0.0.0"
+
+
+async def _close(stream: Any) -> None:
     try:
         with trio.move_on_after(2):
             await stream.close()
