@@ -38,7 +38,7 @@ async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | Te
     return await pump(stream, decoder.next_event, decoder.feed)
 
 
-async def write_chunks(stream: INetStream, chunks: Iterable[bytes | memoryview],
+async def write_chunks(stream: Any, chunks: Iterable[bytes | memoryview],
                        slice_timeout: float = 10.0) -> None:
     """Write a gather list; large payloads go out in 1 MiB slices of the caller's memory.
 
@@ -47,13 +47,15 @@ async def write_chunks(stream: INetStream, chunks: Iterable[bytes | memoryview],
     whole connection, not just this stream, is then lost. Cancellation takes effect
     between slices instead.
     """
+    zero_copy = getattr(stream, "accepts_memoryview", False)  # py-libp2p wants bytes
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         for start in range(0, len(view), READ_SIZE):
             await trio.lowlevel.checkpoint_if_cancelled()
             with trio.CancelScope(shield=True) as scope:
                 scope.relative_deadline = slice_timeout
-                await stream.write(bytes(view[start:start + READ_SIZE]))
+                piece = view[start:start + READ_SIZE]
+                await stream.write(piece if zero_copy else bytes(piece))
             if scope.cancelled_caught:
                 raise trio.TooSlowError("a 1 MiB write took longer than "
                                         f"{slice_timeout:g} s; the peer is not reading")

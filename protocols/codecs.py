@@ -66,6 +66,17 @@ def _unshuffle(data: bytes, itemsize: int) -> torch.Tensor:
     return planes.t().contiguous().view(-1)
 
 
+def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
+    """A uint8 view of a received buffer without copying it when it is writable (the wire
+    decoder's buffers are); the conversions in decode() make the one copy we keep."""
+    view = memoryview(payload)
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
 def encode(vec: torch.Tensor, codec: str) -> Encoded:
     if vec.dtype != torch.float32 or vec.dim() != 1 or not vec.is_contiguous():
         raise LocalProtocolError("encode takes a contiguous 1-d float32 CPU tensor")
@@ -109,7 +120,7 @@ def decode(codec: str, numel: int, payload: bytes | memoryview) -> torch.Tensor:
         if len(payload) != encoded_size(codec, numel):
             raise RemoteProtocolError(f"{codec} payload of {len(payload)} bytes, expected "
                                       f"{encoded_size(codec, numel)} for {numel} values")
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        raw = _as_uint8(payload)
     if base == "int8":
         nchunks = -(-numel // INT8_CHUNK)
         scales = raw[: 4 * nchunks].view(torch.float32)
@@ -120,7 +131,7 @@ def decode(codec: str, numel: int, payload: bytes | memoryview) -> torch.Tensor:
     elif base == "bf16":
         out = raw.view(torch.bfloat16).to(torch.float32)
     else:
-        out = raw.view(torch.float32)
+        out = raw.view(torch.float32).clone()
     if not torch.isfinite(out).all():
         raise RemoteProtocolError("received weights contain NaN/Inf")
     return out

@@ -44,7 +44,7 @@ class Sealer:
     def seal(self, plaintext: bytes | memoryview) -> bytes:
         if len(plaintext) > MAX_PLAINTEXT:
             raise LocalProtocolError(f"seal at most {MAX_PLAINTEXT} bytes at a time")
-        ct = self._aead.encrypt(_nonce(self._direction, self._counter), bytes(plaintext), None)
+        ct = self._aead.encrypt(_nonce(self._direction, self._counter), plaintext, None)
         self._counter += 1
         return _LEN.pack(len(ct)) + ct
 

@@ -82,6 +82,10 @@ def main(quick: bool = False, hivemind_venv: Path | None = None, doc: Path | Non
     text = (f"## Training: pairwise exchange\n\n`node bench exchange{' --quick' if quick else ''}`"
             f" on {machine()}: two node processes on loopback each send a {mb:.0f} MB fp32 "
             f"vector and receive the other's ({repeats} runs).\n\n{table}\n\n"
-            "Error is the relative L2 error of the received vector against what was sent.")
+            "Error is the relative L2 error of the received vector against what was sent. "
+            "peertrain moves tensors on its bulk lane (raw TCP + AES-256-GCM, keyed over the "
+            "libp2p stream). Target (issue 3): at most 0.5x hivemind's fp32 time. Both ends "
+            "run on the same 2 cores, so the number is CPU-bound: every copy, crc and "
+            "conversion on the path counts.")
     write_section("exchange", text, doc or DOC)
     return text

@@ -20,21 +20,25 @@ def main(mb: float, out: str) -> None:
     dht2 = hivemind.DHT(initial_peers=dht1.get_visible_maddrs(), start=True)
     kwargs = dict(prefix="bench", target_group_size=2, min_group_size=2, start=True,
                   min_matchmaking_time=1.0, request_timeout=30.0)
-    avg1 = hivemind.averaging.DecentralizedAverager([torch.randn(n)], dht1, **kwargs)
-    avg2 = hivemind.averaging.DecentralizedAverager([torch.randn(n)], dht2, **kwargs)
+    a, b = torch.randn(n), torch.randn(n)
+    avg1 = hivemind.averaging.DecentralizedAverager([a.clone()], dht1, **kwargs)
+    avg2 = hivemind.averaging.DecentralizedAverager([b.clone()], dht2, **kwargs)
     try:
         # Warm-up round: matchmaking and connection set-up, as a node would have done before.
         c1, c2 = avg1.step(wait=False), avg2.step(wait=False)
-        c1.result(timeout=300), c2.result(timeout=300)
+        warm = (c1.result(timeout=300), c2.result(timeout=300))
+        with avg1.get_tensors() as tensors:  # averaged in place: both now hold the mean
+            ok = bool(torch.allclose(tensors[0], (a + b) / 2, atol=1e-5))
         t0 = time.perf_counter()
         c1, c2 = avg1.step(wait=False), avg2.step(wait=False)
-        c1.result(timeout=300), c2.result(timeout=300)
+        timed = (c1.result(timeout=300), c2.result(timeout=300))
         seconds = time.perf_counter() - t0
     finally:
         for x in (avg1, avg2, dht1, dht2):
             x.shutdown()
     with open(out, "w") as f:
-        json.dump({"seconds": seconds}, f)
+        json.dump({"seconds": seconds, "averaged": ok,
+                   "groups": [warm[0] is not None, timed[0] is not None]}, f)
 
 
 if __name__ == "__main__":
