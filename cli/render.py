@@ -46,11 +46,11 @@ def node_status_table(st: dict[str, Any]) -> Group:
 def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
     """One row per testnet process; `rows` come from `testnet.launcher.collect_status`."""
     table = Table(title=title, title_justify="left")
-    columns = ("node", "peer", "phase", "peers", "step", "loss", "val", "partner",
-               "sent/recv", "compute")
+    columns = ("node", "id", "phase", "peers", "step", "loss", "val", "partner",
+               "MB out/in", "compute")
     for col in columns:
-        table.add_column(col, justify="left" if col in ("node", "peer", "phase", "partner")
-                         else "right")
+        table.add_column(col, no_wrap=True,
+                         justify="left" if col in ("node", "id", "phase", "partner") else "right")
     for r in rows:
         st = r.get("status")
         if st is None:
@@ -65,13 +65,17 @@ def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
             r["name"], short(st["peer_id"]), phase_text, peers,
             _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"),
             _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
-            f"{_bytes(t.get('bytes_sent'))}/{_bytes(t.get('bytes_received'))}",
+            _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
             _num(t.get("compute_fraction"), "{:.0%}"))
     return table
 
 
 def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def _mb_pair(sent: int | None, received: int | None) -> str:
+    return "-" if not (sent or received) else f"{(sent or 0) / 1e6:.0f}/{(received or 0) / 1e6:.0f}"
 
 
 def _bytes(n: int | None) -> str:
