@@ -166,10 +166,11 @@ class Node:
 
     async def _start_training(self, nursery: trio.Nursery) -> None:
         from node.averaging import Averager  # imports torch: only nodes that train pay it
-        from node.run_config import build_training
+        from node.run_config import build_training, check_swarm_algorithm
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
+        check_swarm_algorithm(manifest)  # a clear error and exit, not a silent idle node
         run_id = self.config.run_id
         assert run_id is not None
         if manifest.outer.algorithm != "none":

@@ -18,6 +18,14 @@ def replica_index(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
+def check_swarm_algorithm(m: mf.Manifest) -> None:
+    """DiLoCo needs a group all-reduce every round: it is the baseline of the in-process
+    convergence benchmark (testnet/bench), not something a swarm of strangers runs."""
+    if m.outer.algorithm not in ("noloco", "none"):
+        raise TrainerSetupError(f"outer.algorithm = {m.outer.algorithm!r} runs only in the "
+                                "convergence benchmark; a swarm runs 'noloco' or 'none'")
+
+
 def build_training(m: mf.Manifest, peer_id: str, device: str,
                    data: list[str] | None = None) -> tuple[Any, Any, int]:
     """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread."""
@@ -47,11 +55,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     ))
     if m.outer.algorithm == "none":
         return trainer, None, m.outer.inner_steps
-    if m.outer.algorithm != "noloco":
-        # DiLoCo needs a group all-reduce every round; it is the baseline of the in-process
-        # convergence benchmark (testnet/bench), not something a swarm of strangers runs.
-        raise TrainerSetupError(f"outer.algorithm = {m.outer.algorithm!r} runs only in the "
-                                "convergence benchmark; a swarm runs 'noloco' or 'none'")
+    check_swarm_algorithm(m)
     outer = NoLoCo(trainer.parameters_vector(),
                    NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
     return trainer, outer, m.outer.inner_steps

@@ -124,3 +124,16 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory
     logs = (Path(node.state_dir) / "node.log").read_text().splitlines()
     reasons = [json.loads(line)["msg"] for line in logs if "handler" in line]
     assert any("exceeds" in r or "limit" in r for r in reasons), reasons
+
+
+def test_a_diloco_run_is_refused_by_join_with_a_reason(tmp_path):
+    manifest = tmp_path / "diloco.toml"
+    manifest.write_text('schema = 1\n[run]\nname = "d"\n[outer]\nalgorithm = "diloco"\n')
+    state = tmp_path / "node"
+    r = run_cli("run", "create", str(manifest), "--state-dir", str(state))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("join", r.stdout.strip(), "--state-dir", str(state), "--listen",
+                launcher.LOOPBACK, "--device", "cpu")
+    assert r.returncode == 7, r.stderr
+    assert "runs only in the convergence benchmark" in r.stderr
+    assert "Traceback" not in r.stderr
