@@ -32,6 +32,7 @@ from node.errors import (
     RunNotFound,
     StateDirError,
 )
+from node.memory import tune_malloc
 from node.rundoc_sync import RunDocSync
 from node.runstore import RunStore, atomic_write
 from node.training import TrainingService
@@ -83,6 +84,7 @@ class Node:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        tune_malloc()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             await nursery.start(self.substrate.serve)

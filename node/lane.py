@@ -50,7 +50,9 @@ class LaneStream:
     async def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), MAX_PLAINTEXT):
-            await self._stream.send_all(self._sealer.seal(view[start:start + MAX_PLAINTEXT]))
+            header, sealed = self._sealer.seal_parts(view[start:start + MAX_PLAINTEXT])
+            await self._stream.send_all(header)
+            await self._stream.send_all(sealed)
 
     async def close(self) -> None:
         await self._stream.aclose()
@@ -75,10 +77,11 @@ class LaneListener:
                 stream = await self._listeners[0].accept()
                 lane = LaneStream(stream, self.key, RESPONDER)
                 try:
-                    if await lane.read() == HELLO:
-                        return lane
-                except RemoteProtocolError:
-                    pass
+                    with trio.fail_after(2):
+                        if await lane.read() == HELLO:
+                            return lane
+                except (RemoteProtocolError, trio.BrokenResourceError, trio.TooSlowError):
+                    pass  # a stranger, or a peer without the key: drop it, keep waiting
                 await stream.aclose()
 
     async def aclose(self) -> None:

@@ -258,8 +258,8 @@ class Exchange:
         count = min(self.chunk, self.numel - self._filled)
         if count <= 0:
             raise RemoteProtocolError("more frames than the vector has values")
-        values = codecs.decode(self.codec, count, frame.payload)
-        self._received[self._filled:self._filled + count] = values
+        codecs.decode(self.codec, count, frame.payload,
+                      out=self._received[self._filled:self._filled + count])
         self._filled += count
         self._next_index += 1
         return ChunkReceived(self._next_index - 1, len(frame.payload))

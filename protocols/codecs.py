@@ -99,8 +99,10 @@ def encode(vec: torch.Tensor, codec: str) -> Encoded:
     return Encoded(codec, n, memoryview(raw.view(torch.uint8).numpy()))
 
 
-def decode(codec: str, numel: int, payload: bytes | memoryview) -> torch.Tensor:
-    """Back to a writable fp32 vector of `numel` values; RemoteProtocolError if anything is off."""
+def decode(codec: str, numel: int, payload: bytes | memoryview,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Back to fp32 values (into `out` when given, else a new vector); RemoteProtocolError if
+    anything is off. On error `out` may hold partial values: callers discard it."""
     if codec not in CODECS:
         raise RemoteProtocolError(f"unknown codec {codec!r}")
     base = codec.removesuffix("+zstd")
@@ -122,17 +124,21 @@ def decode(codec: str, numel: int, payload: bytes | memoryview) -> torch.Tensor:
             raise RemoteProtocolError(f"{codec} payload of {len(payload)} bytes, expected "
                                       f"{encoded_size(codec, numel)} for {numel} values")
         raw = _as_uint8(payload)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != numel:
+        raise LocalProtocolError(f"out must be {numel} float32 values")
     if base == "int8":
         nchunks = -(-numel // INT8_CHUNK)
         scales = raw[: 4 * nchunks].view(torch.float32)
         q = raw[4 * nchunks:].view(torch.int8).to(torch.float32)
         pad = (-numel) % INT8_CHUNK
-        out = (torch.nn.functional.pad(q, (0, pad)).view(-1, INT8_CHUNK)
-               * (scales[:, None] / 127)).view(-1)[:numel].clone()
+        out.copy_((torch.nn.functional.pad(q, (0, pad)).view(-1, INT8_CHUNK)
+                   * (scales[:, None] / 127)).view(-1)[:numel])
     elif base == "bf16":
-        out = raw.view(torch.bfloat16).to(torch.float32)
+        out.copy_(raw.view(torch.bfloat16))
     else:
-        out = raw.view(torch.float32).clone()
+        out.copy_(raw.view(torch.float32))
     # The sum is finite iff every value is (or the values are absurd, ~1e38): one pass
     # with no temporary, 3x faster than isfinite().all() on 4 MiB chunks.
     if not math.isfinite(float(out.sum())):

@@ -42,11 +42,16 @@ class Sealer:
         self._aead, self._direction, self._counter = AESGCM(key), direction, 0
 
     def seal(self, plaintext: bytes | memoryview) -> bytes:
+        header, ct = self.seal_parts(plaintext)
+        return header + ct
+
+    def seal_parts(self, plaintext: bytes | memoryview) -> tuple[bytes, bytes]:
+        """(length header, ciphertext): written one after the other, no concatenation copy."""
         if len(plaintext) > MAX_PLAINTEXT:
             raise LocalProtocolError(f"seal at most {MAX_PLAINTEXT} bytes at a time")
         ct = self._aead.encrypt(_nonce(self._direction, self._counter), plaintext, None)
         self._counter += 1
-        return _LEN.pack(len(ct)) + ct
+        return _LEN.pack(len(ct)), ct
 
 
 class Opener:
