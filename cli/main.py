@@ -155,7 +155,8 @@ def status(
     out.print(node_status_table(st))
 
 
-from cli import bench_cmd, testnet_cmd  # noqa: E402  (sub-commands)
+from cli import bench_cmd, ckpt_cmd, testnet_cmd  # noqa: E402  (sub-commands)
 
 app.add_typer(testnet_cmd.app, name="testnet")
 app.add_typer(bench_cmd.app, name="bench")
+app.add_typer(ckpt_cmd.app, name="ckpt")

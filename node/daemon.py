@@ -22,6 +22,7 @@ import trio
 from libp2p.peer.id import ID
 
 from node import manifest_service
+from node.checkpoints import CheckpointStore
 from node.config import NodeConfig
 from node.control import serve_control
 from node.dht_records import VALIDATORS
@@ -34,6 +35,7 @@ from node.errors import (
 )
 from node.memory import tune_malloc
 from node.rundoc_sync import RunDocSync
+from node.rundoc_sync import topic as rundoc_topic
 from node.runstore import RunStore, atomic_write
 from node.training import TrainingService
 from p2p.host import DialError, Substrate
@@ -62,6 +64,7 @@ class Node:
         self.first_peer_after_s: float | None = None
         self.manifest: mf.Manifest | None = None
         self.store = RunStore(config.state_dir)
+        self.checkpoints = CheckpointStore(config.state_dir)
         self.peers = PeerBook(ttl=config.peer_ttl_s)
         self.device = config.device
         self.rejected_heartbeats = 0
@@ -172,9 +175,10 @@ class Node:
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
-        check_swarm_algorithm(manifest)  # a clear error and exit, not a silent idle node
         run_id = self.config.run_id
         assert run_id is not None
+        check_swarm_algorithm(manifest)  # a clear error and exit, not a silent idle node
+        latest = self.checkpoints.latest(run_id)
         if manifest.outer.algorithm != "none":
             self.averager = Averager(
                 self.substrate, run_id, self.peer_id,
@@ -183,12 +187,43 @@ class Node:
                 codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
                 step_time=self._step_time, inner_steps=manifest.outer.inner_steps)
         self.training = TrainingService(
-            lambda: build_training(manifest, self.peer_id, device, self.config.data),
+            lambda: build_training(manifest, self.peer_id, device, self.config.data,
+                                   resume=(self.checkpoints, latest) if latest else None),
             exchange=self.averager.exchange if self.averager else None,
+            checkpoint_every=manifest.checkpoint.every_steps, on_snapshot=self._save_checkpoint,
         )
         if self.averager is not None:
             self.averager.stats = self.training.stats
         nursery.start_soon(self._supervise_training)
+
+    async def _save_checkpoint(self, snapshot: Any) -> None:
+        """Write the snapshot (in a worker thread), keep the newest few, announce it."""
+        manifest, run_id = self.manifest, self.config.run_id
+        assert manifest is not None and run_id is not None and self.training is not None
+        store = self.checkpoints
+
+        def write() -> str:
+            cid = store.save(run_id, snapshot.step, snapshot.tensors,
+                             {"peer": self.peer_id})
+            store.retain(run_id, manifest.checkpoint.keep)
+            return cid
+
+        try:
+            cid = await trio.to_thread.run_sync(write)
+        except NodeError as e:  # a full disk costs this checkpoint, never the node
+            log.error("%s", e)
+            return
+        self.training.stats.checkpoints += 1
+        self.training.stats.last_checkpoint = cid
+        log.info("checkpoint %s at step %d", cid, snapshot.step)
+        if self.rundoc is not None:
+            now = time.time_ns() // 1_000_000
+            m = store.manifest(cid)
+            delta = self.rundoc.doc.set(f"ckpt/{cid}", {"hash": cid, "step": m.step,
+                                                        "size": m.size}, now)
+            self.publisher.publish_nowait(rundoc_topic(run_id), delta)
+        if self.substrate.dht is not None:
+            await self.substrate.dht.provide(f"ckpt/{cid}")
 
     def _step_time(self) -> float:
         t = self.training.stats if self.training else None

@@ -27,7 +27,7 @@ def check_swarm_algorithm(m: mf.Manifest) -> None:
 
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,
-                   data: list[str] | None = None) -> tuple[Any, Any, int]:
+                   data: list[str] | None = None, resume: Any = None) -> tuple[Any, Any, int]:
     """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread."""
     from node.optim.noloco import NoLoCo, NoLoCoConfig
     from node.trainer.loop import TrainConfig, Trainer
@@ -54,8 +54,28 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         threads=t.threads, seed=m.run.seed, replica=replica_index(peer_id),
     ))
     if m.outer.algorithm == "none":
+        if resume is not None:
+            _resume(trainer, None, *resume)
         return trainer, None, m.outer.inner_steps
     check_swarm_algorithm(m)
     outer = NoLoCo(trainer.parameters_vector(),
                    NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
+    if resume is not None:
+        _resume(trainer, outer, *resume)
     return trainer, outer, m.outer.inner_steps
+
+
+def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
+    """Continue from a local checkpoint; a damaged one is skipped with a logged reason."""
+    import logging
+
+    from node.checkpoints import CheckpointError
+    from node.training import restore_checkpoint
+
+    try:
+        manifest, tensors = store.load(cid)
+        restore_checkpoint(trainer, outer, manifest.step, tensors)
+        logging.getLogger("node.training").info("resumed from checkpoint %s (step %d)", cid,
+                                                manifest.step)
+    except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
+        logging.getLogger("node.training").warning("not resuming from %s: %s", cid, e)

@@ -50,6 +50,43 @@ class Outcome:
     partner: str | None = None
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A checkpoint's worth of state, copied in the trainer thread at a step boundary."""
+
+    step: int
+    tensors: dict[str, Any]
+
+
+def checkpoint_tensors(trainer: Any, outer: Any) -> dict[str, Any]:
+    """Flat name -> tensor map (safetensors wants flat): weights, AdamW moments, outer state."""
+    out = {"theta": trainer.parameters_vector()}
+    for i, p in enumerate(trainer.params):
+        for name, value in trainer.optimizer.state.get(p, {}).items():
+            if hasattr(value, "detach"):
+                out[f"adamw/{i}/{name}"] = value.detach().cpu().clone().reshape(-1)
+    if outer is not None:
+        out["outer/phi"], out["outer/m"] = outer.phi.clone(), outer.m.clone()
+    return out
+
+
+def restore_checkpoint(trainer: Any, outer: Any, step: int, tensors: dict[str, Any]) -> None:
+    """Inverse of `checkpoint_tensors`: weights, AdamW moments, outer state, step counter."""
+    trainer.set_parameters_vector(tensors["theta"])
+    for i, p in enumerate(trainer.params):
+        state = {}
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            value = tensors.get(f"adamw/{i}/{name}")
+            if value is not None:
+                state[name] = value.reshape(p.shape) if name != "step" else value.reshape(())
+        if len(state) == 3:
+            trainer.optimizer.state[p] = state
+    if outer is not None and "outer/phi" in tensors:
+        outer.phi.copy_(tensors["outer/phi"])
+        outer.m.copy_(tensors["outer/m"])
+    trainer.step_count = step
+
+
 @dataclass
 class TrainingStats:
     phase: str = "loading"
@@ -62,6 +99,8 @@ class TrainingStats:
     compute_s: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
     last_partner: str | None = None
+    checkpoints: int = 0
+    last_checkpoint: str | None = None
     rounds_averaged: int = 0
     rounds_local: int = 0
     bytes_sent: int = 0
@@ -82,12 +121,15 @@ class TrainingService:
 
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None, checkpoint_every: int = 0,
+                 on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None) -> None:
         # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
         # No outer optimizer: the no-communication baseline, plain local training.
         self._build = build
         self._exchange = exchange
         self.max_steps = max_steps
+        self.checkpoint_every = checkpoint_every
+        self._on_snapshot = on_snapshot
         self.stats = TrainingStats()
         # Highest step a live peer reported (set from the trio thread on each heartbeat).
         # A node that is a round or more behind jumps to the swarm's round: pairing only
@@ -97,10 +139,10 @@ class TrainingService:
         self._stop = threading.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        send, receive = trio.open_memory_channel[Boundary | BaseException | None](16)
+        send, receive = trio.open_memory_channel[Boundary | Snapshot | BaseException | None](16)
         token = trio.lowlevel.current_trio_token()
 
-        def post(item: Boundary | BaseException | None) -> None:
+        def post(item: Boundary | Snapshot | BaseException | None) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.WouldBlock,
                                      trio.BrokenResourceError, trio.ClosedResourceError):
                 trio.from_thread.run_sync(send.send_nowait, item, trio_token=token)
@@ -116,6 +158,10 @@ class TrainingService:
                         break
                     if isinstance(item, BaseException):
                         raise item
+                    if isinstance(item, Snapshot):
+                        if self._on_snapshot is not None:
+                            nursery.start_soon(self._on_snapshot, item)
+                        continue
                     nursery.start_soon(self._run_exchange, item)
                 nursery.cancel_scope.cancel()
         finally:
@@ -173,6 +219,8 @@ class TrainingService:
                 st.val_loss = s.val_loss
                 if st.first_val_loss is None:
                     st.first_val_loss = s.val_loss
+            if self.checkpoint_every and s.step % self.checkpoint_every == 0:
+                post(Snapshot(s.step, checkpoint_tensors(trainer, outer)))
             if outer is not None and s.step % inner_steps == 0:
                 st.round = s.step // inner_steps
                 # A round whose exchange has not come back by now is closed locally.

@@ -17,7 +17,7 @@ from protocols import averaging as av
 from protocols import heartbeat as hb
 from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
 from testnet import launcher
-from tests.conftest import wait_until
+from tests.conftest import run_cli, wait_until
 
 FAST_RUN = """
 schema = 1
@@ -159,3 +159,24 @@ async def attack_once(me: Substrate, peer: ID, run_id: str, r: int, numel: int,
                 pass
         except Exception:
             pass
+
+
+def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path):
+    manifest = tmp_path / "ckpt.toml"
+    manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 200\nkeep = 2\n")
+    net = testnet_factory(1, manifest=manifest)
+    node = nodes(net)[0]
+    wait_until(lambda: training(node).get("checkpoints", 0) >= 2, 60, "two checkpoints")
+    r = run_cli("ckpt", "ls", "--state-dir", node.state_dir)
+    assert r.returncode == 0 and "Qm" in r.stdout, r.stderr
+    cid = training(node)["last_checkpoint"]
+    assert run_cli("ckpt", "verify", cid, "--state-dir", node.state_dir).returncode == 0
+    st = query_control(Path(node.state_dir))
+    assert st["run_document"]["entries"] >= 6  # own peer entries + the ckpt/<cid> entries
+    launcher.kill_node(net, "node1")
+    wait_until(lambda: not launcher.alive(node.pid, node.state_dir), 10, "node1 to die")
+    launcher.restart_node(net, "node1")
+    node = nodes(net)[0]
+    wait_until(lambda: training(node).get("step", 0) > 0, 60, "node1 to train again")
+    log = (Path(node.state_dir) / "node.log").read_text()
+    assert "resumed from checkpoint" in log

@@ -1,0 +1,143 @@
+"""The local checkpoint store: safetensors bytes in content-addressed chunks, atomically.
+
+    state_dir/checkpoints/chunks/<sha256>        chunk files
+    state_dir/checkpoints/manifests/<cid>        manifest bytes (protocols/checkpoint.py)
+
+Every file is written to a temp name, fsynced and renamed, and the manifest is written
+last: a process killed in the middle of a save (or a full disk) leaves at most orphan
+chunks, never a manifest that points at missing or partial data, so `latest()` only ever
+returns complete checkpoints. Loads verify every chunk's hash before anything is parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from node.errors import NodeError
+from protocols import checkpoint as ck
+from protocols.errors import RemoteProtocolError
+
+log = logging.getLogger("node.checkpoints")
+
+
+class CheckpointError(NodeError):
+    exit_code = 8
+
+
+def _atomic_write(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class CheckpointStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.root = Path(state_dir) / "checkpoints"
+        self.chunks = self.root / "chunks"
+        self.manifests = self.root / "manifests"
+
+    # -- writing ------------------------------------------------------------------------
+
+    def save(self, run: str, step: int, tensors: dict, meta: dict | None = None) -> str:
+        """Write a checkpoint of `tensors` (name -> torch tensor); returns its cid."""
+        from safetensors.torch import save
+
+        data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        manifest = ck.build(run, step, time.time_ns() // 1_000_000, data, meta)
+        try:
+            self.chunks.mkdir(parents=True, exist_ok=True)
+            self.manifests.mkdir(parents=True, exist_ok=True)
+            view = memoryview(data)
+            for i, digest in enumerate(manifest.chunks):
+                path = self.chunks / digest
+                if not path.exists():
+                    _atomic_write(path, view[i * manifest.chunk:(i + 1) * manifest.chunk])
+            _atomic_write(self.manifests / manifest.cid, manifest.encode())
+        except OSError as e:
+            raise CheckpointError(f"could not write checkpoint of step {step} to {self.root}: "
+                                  f"{e.strerror or e}; earlier checkpoints are intact") from e
+        return manifest.cid
+
+    def put_chunk(self, digest: str, data: bytes) -> None:
+        """Store a chunk fetched from elsewhere, after checking it is what its name says."""
+        if ck.sha256_hex(data) != digest:
+            raise RemoteProtocolError(f"chunk {digest[:12]} does not match its hash")
+        self.chunks.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.chunks / digest, data)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def manifest(self, cid: str) -> ck.CheckpointManifest:
+        try:
+            return ck.decode((self.manifests / cid).read_bytes(), expected_cid=cid)
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint {cid} in {self.root}") from None
+        except RemoteProtocolError as e:
+            raise CheckpointError(f"checkpoint {cid} is damaged: {e}") from e
+
+    def list(self, run: str | None = None) -> list[tuple[str, ck.CheckpointManifest]]:
+        """(cid, manifest) of every readable checkpoint, oldest step first."""
+        out = []
+        for path in self.manifests.glob("Qm*") if self.manifests.exists() else []:
+            try:
+                m = self.manifest(path.name)
+            except CheckpointError as e:
+                log.warning("%s", e)
+                continue
+            if run is None or m.run == run:
+                out.append((path.name, m))
+        return sorted(out, key=lambda x: (x[1].step, x[1].created_ms))
+
+    def latest(self, run: str) -> str | None:
+        found = self.list(run)
+        return found[-1][0] if found else None
+
+    def verify(self, cid: str) -> list[str]:
+        """Problems with a checkpoint (missing or corrupt chunks); empty when it is sound."""
+        m = self.manifest(cid)
+        problems = []
+        for i, digest in enumerate(m.chunks):
+            try:
+                data = (self.chunks / digest).read_bytes()
+            except FileNotFoundError:
+                problems.append(f"chunk {i} ({digest[:12]}) is missing")
+                continue
+            if ck.sha256_hex(data) != digest:
+                problems.append(f"chunk {i} ({digest[:12]}) is corrupt")
+        return problems
+
+    def load(self, cid: str) -> tuple[ck.CheckpointManifest, dict]:
+        """The checkpoint's tensors, after every chunk has been verified."""
+        from safetensors.torch import load
+
+        problems = self.verify(cid)
+        if problems:
+            raise CheckpointError(f"checkpoint {cid} fails verification: {problems[0]}")
+        m = self.manifest(cid)
+        data = b"".join((self.chunks / d).read_bytes() for d in m.chunks)
+        return m, load(data)
+
+    # -- retention ----------------------------------------------------------------------
+
+    def retain(self, run: str, keep: int) -> int:
+        """Keep the newest `keep` checkpoints of `run`; drop the rest and unreferenced chunks."""
+        found = self.list(run)
+        for cid, _ in found[:-keep] if keep > 0 else found:
+            (self.manifests / cid).unlink(missing_ok=True)
+        referenced = {d for _, m in self.list() for d in m.chunks}
+        dropped = 0
+        for path in self.chunks.glob("*") if self.chunks.exists() else []:
+            if path.name not in referenced:
+                path.unlink(missing_ok=True)
+                dropped += 1
+        return dropped
