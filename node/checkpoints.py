@@ -75,6 +75,12 @@ class CheckpointStore:
         self.chunks.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.chunks / digest, data)
 
+    def put_manifest(self, cid: str, data: bytes) -> None:
+        """Store a fetched manifest (last, after its chunks: the checkpoint becomes visible)."""
+        ck.decode(data, expected_cid=cid)
+        self.manifests.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.manifests / cid, data)
+
     # -- reading ------------------------------------------------------------------------
 
     def manifest(self, cid: str) -> ck.CheckpointManifest:
@@ -84,6 +90,14 @@ class CheckpointStore:
             raise CheckpointError(f"no checkpoint {cid} in {self.root}") from None
         except RemoteProtocolError as e:
             raise CheckpointError(f"checkpoint {cid} is damaged: {e}") from e
+
+    def latest_ok(self, cid: str) -> bool:
+        """True if we hold a complete, readable manifest for `cid` (we can serve it)."""
+        try:
+            self.manifest(cid)
+            return True
+        except CheckpointError:
+            return False
 
     def list(self, run: str | None = None) -> list[tuple[str, ck.CheckpointManifest]]:
         """(cid, manifest) of every readable checkpoint, oldest step first."""

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from node import manifest_service
+from node import ckpt_sync, manifest_service
 from node.checkpoints import CheckpointStore
 from node.config import NodeConfig
 from node.control import serve_control
@@ -83,6 +83,8 @@ class Node:
         self.peer_id = self.substrate.peer_id.to_base58()
         self.publisher = PacedPublisher(self.substrate)
         manifest_service.install(self.substrate, self.store)
+        ckpt_sync.install(self.substrate, self.checkpoints)
+        self.download: dict[str, Any] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -178,7 +180,7 @@ class Node:
         run_id = self.config.run_id
         assert run_id is not None
         check_swarm_algorithm(manifest)  # a clear error and exit, not a silent idle node
-        latest = self.checkpoints.latest(run_id)
+        latest = self.checkpoints.latest(run_id) or await self._fetch_swarm_checkpoint(run_id)
         if manifest.outer.algorithm != "none":
             self.averager = Averager(
                 self.substrate, run_id, self.peer_id,
@@ -195,6 +197,45 @@ class Node:
         if self.averager is not None:
             self.averager.stats = self.training.stats
         nursery.start_soon(self._supervise_training)
+
+    async def _fetch_swarm_checkpoint(self, run_id: str, sync_wait_s: float = 5.0) -> str | None:
+        """Joining mid-run: the newest checkpoint in the run document, from its providers."""
+        assert self.rundoc is not None
+        self.phase = "syncing state"
+        with trio.move_on_after(sync_wait_s):  # bounded: a first node has nobody to sync with
+            while self.rundoc.syncs == 0:
+                await trio.sleep(0.1)
+        entries = [(v.get("step", 0), k.split("/", 1)[1], e.writer)
+                   for k, v in self.rundoc.doc.items("ckpt/")
+                   if isinstance(v, dict) and (e := self.rundoc.doc.entry(k)) is not None]
+        if not entries:
+            self.phase = "running"
+            return None
+        step, cid, writer = max(entries)
+        dht = self.substrate.dht
+        assert dht is not None
+        providers = [p.peer_id for p in await dht.find_providers(f"ckpt/{cid}")]
+        for extra in [ID.from_base58(writer), *self.substrate.connected_peers()]:
+            if extra not in providers and extra != self.substrate.peer_id:
+                providers.append(extra)
+        self.phase = "downloading checkpoint"
+        self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
+                         "providers": len(providers)}
+
+        def progress(done: int, total: int) -> None:
+            assert self.download is not None
+            self.download.update(done=done, total=total)
+
+        try:
+            await ckpt_sync.pull(self.substrate, providers, cid, self.checkpoints,
+                                 progress=progress)
+        except NodeError as e:
+            log.warning("could not fetch checkpoint %s (%s); starting from scratch", cid, e)
+            return None
+        finally:
+            self.phase = "running"
+        log.info("fetched checkpoint %s (step %d) from %d providers", cid, step, len(providers))
+        return cid
 
     async def _save_checkpoint(self, snapshot: Any) -> None:
         """Write the snapshot (in a worker thread), keep the newest few, announce it."""
@@ -382,6 +423,7 @@ class Node:
             "rejected_heartbeats": self.rejected_heartbeats,
             "gossip": vars(self.publisher.stats),
             "training": self.training.stats.snapshot() if self.training else None,
+            "download": self.download,
             "members": self._members(),
             "run_document": self.rundoc.statistics() if self.rundoc else None,
         }

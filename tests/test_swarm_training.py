@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,22 @@ def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path
     wait_until(lambda: training(node).get("step", 0) > 0, 60, "node1 to train again")
     log = (Path(node.state_dir) / "node.log").read_text()
     assert "resumed from checkpoint" in log
+
+
+def test_a_node_joining_mid_run_downloads_the_newest_checkpoint(testnet_factory, tmp_path):
+    manifest = tmp_path / "ckpt.toml"
+    manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 300\nkeep = 2\n")
+    net = testnet_factory(2, manifest=manifest)
+    for p in nodes(net):
+        wait_until(lambda p=p: training(p).get("checkpoints", 0) >= 1, 60, "a checkpoint")
+    state = Path(net.dir) / "latecomer"
+    late = launcher._spawn("latecomer", state, ["join", net.run_id, "--bootstrap",
+                                                net.bootstrap_addr, "--listen",
+                                                launcher.LOOPBACK], True, dict(os.environ))
+    net.procs.append(late)
+    net.save()  # so the fixture's teardown stops it too
+    wait_until(lambda: training(late).get("step", 0) > 0, 90, "the latecomer to train")
+    log = (state / "node.log").read_text()
+    assert "fetched checkpoint" in log and "resumed from checkpoint" in log, log[-3000:]
+    st = query_control(state)
+    assert st["download"]["done"] == st["download"]["total"] > 0

@@ -1,0 +1,153 @@
+"""Serving and pulling checkpoints over `/peertrain/ckpt/1.0.0`.
+
+`pull` fetches the manifest from the first provider whose bytes hash to the cid, then the
+chunks from every provider in parallel: one worker per provider takes the next missing
+chunk from a shared queue, and a chunk that fails (timeout, stall, wrong hash, refusal) goes
+back into the queue while that provider is dropped. Chunks already on disk are skipped, so
+an interrupted pull resumes where it stopped. Nothing is loaded that failed verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
+
+from node.checkpoints import CheckpointError, CheckpointStore
+from node.streams import next_event
+from p2p.host import Substrate
+from protocols import checkpoint as ck
+from protocols import ckpt_exchange as cx
+from protocols.errors import RemoteProtocolError
+from protocols.wire import Envelope, FrameDecoder
+
+log = logging.getLogger("node.ckpt")
+_ids = itertools.count(1)
+
+
+def install(substrate: Substrate, store: CheckpointStore) -> None:
+    async def handle(stream: INetStream) -> None:
+        decoder = FrameDecoder(max_frame_bytes=4096)
+        try:
+            while True:
+                with trio.fail_after(30):
+                    try:
+                        env = await next_event(stream, decoder)
+                    except RemoteProtocolError:
+                        return  # the asker hung up (or misbehaved): end of session
+                if not isinstance(env, Envelope):
+                    raise RemoteProtocolError("expected a request")
+                kind, cid, index = cx.parse_request(env)
+                data = await trio.to_thread.run_sync(_read, store, kind, cid, index)
+                await stream.write(cx.respond(env, data, index))
+        finally:
+            await stream.close()
+
+    substrate.set_handler(cx.PROTOCOL_ID, handle)
+
+
+def _read(store: CheckpointStore, kind: str, cid: str, index: int | None) -> bytes | None:
+    try:
+        if kind == "ckpt.manifest":
+            return (store.manifests / cid).read_bytes() if store.latest_ok(cid) else None
+        m = store.manifest(cid)
+        if index is None or index >= len(m.chunks):
+            return None
+        return (store.chunks / m.chunks[index]).read_bytes()
+    except (OSError, CheckpointError):
+        return None
+
+
+class _Session:
+    """One stream to one provider, requests in sequence."""
+
+    def __init__(self, substrate: Substrate, peer: ID) -> None:
+        self.substrate, self.peer = substrate, peer
+        self.stream: INetStream | None = None
+        self.decoder = FrameDecoder(max_frame_bytes=cx.MAX_FRAME)
+
+    async def ask(self, request: bytes, req_id: int, kind: str) -> bytes:
+        if self.stream is None:
+            self.stream = await self.substrate.open_stream(self.peer, cx.PROTOCOL_ID)
+        await self.stream.write(request)
+        env = await next_event(self.stream, self.decoder)
+        if not isinstance(env, Envelope):
+            raise RemoteProtocolError("expected a response envelope")
+        return cx.parse_response(env, req_id, kind)
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            with trio.move_on_after(2):
+                with contextlib.suppress(Exception):
+                    await self.stream.close()
+
+
+async def pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
+               *, chunk_timeout: float = 30.0,
+               progress: Callable[[int, int], None] = lambda done, total: None) -> None:
+    """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it."""
+    manifest, reasons = None, []
+    for peer in providers:
+        session = _Session(substrate, peer)
+        try:
+            with trio.fail_after(chunk_timeout):
+                req = next(_ids)
+                data = await session.ask(cx.request_manifest(req, cid), req, "ckpt.manifest")
+            manifest = ck.decode(data, expected_cid=cid)
+            break
+        except (Exception, trio.TooSlowError) as e:
+            reasons.append(f"{peer}: {e}")
+        finally:
+            await session.close()
+    if manifest is None:
+        raise CheckpointError(f"no provider served checkpoint {cid}: " + "; ".join(reasons))
+    store.chunks.mkdir(parents=True, exist_ok=True)
+    todo = [i for i, d in enumerate(manifest.chunks) if not (store.chunks / d).exists()]
+    total, done = len(manifest.chunks), len(manifest.chunks) - len(todo)
+    progress(done, total)
+    send, receive = trio.open_memory_channel[int](len(todo) + 1)
+    for i in todo:
+        send.send_nowait(i)
+    remaining = set(todo)
+    finished = trio.Event()
+    if not remaining:
+        finished.set()
+
+    async def worker(peer: ID) -> None:
+        nonlocal done
+        session = _Session(substrate, peer)
+        try:
+            while not finished.is_set():
+                with trio.move_on_after(0.2):
+                    index = await receive.receive()
+                    try:
+                        with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                            req = next(_ids)
+                            data = await session.ask(cx.request_chunk(req, cid, index), req,
+                                                     "ckpt.chunk")
+                        store.put_chunk(manifest.chunks[index], data)
+                    except (Exception, trio.TooSlowError) as e:
+                        log.info("chunk %d from %s failed (%r); another provider takes it",
+                                 index, peer, e)
+                        send.send_nowait(index)
+                        return
+                    remaining.discard(index)
+                    done += 1
+                    progress(done, total)
+                    if not remaining:
+                        finished.set()
+        finally:
+            await session.close()
+
+    async with trio.open_nursery() as nursery:
+        for peer in providers:
+            nursery.start_soon(worker, peer)
+    if remaining:
+        raise CheckpointError(f"checkpoint {cid}: {len(remaining)} chunks could not be fetched "
+                              "from any provider")
+    store.put_manifest(cid, manifest.encode())
