@@ -12,11 +12,11 @@ returns complete checkpoints. Loads verify every chunk's hash before anything is
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 from node.errors import NodeError
+from node.runstore import atomic_write
 from protocols import checkpoint as ck
 from protocols.errors import RemoteProtocolError
 
@@ -25,19 +25,6 @@ log = logging.getLogger("node.checkpoints")
 
 class CheckpointError(NodeError):
     exit_code = 8
-
-
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class CheckpointStore:
@@ -61,8 +48,8 @@ class CheckpointStore:
             for i, digest in enumerate(manifest.chunks):
                 path = self.chunks / digest
                 if not path.exists():
-                    _atomic_write(path, view[i * manifest.chunk:(i + 1) * manifest.chunk])
-            _atomic_write(self.manifests / manifest.cid, manifest.encode())
+                    atomic_write(path, view[i * manifest.chunk:(i + 1) * manifest.chunk])
+            atomic_write(self.manifests / manifest.cid, manifest.encode())
         except OSError as e:
             raise CheckpointError(f"could not write checkpoint of step {step} to {self.root}: "
                                   f"{e.strerror or e}; earlier checkpoints are intact") from e
@@ -73,13 +60,13 @@ class CheckpointStore:
         if ck.sha256_hex(data) != digest:
             raise RemoteProtocolError(f"chunk {digest[:12]} does not match its hash")
         self.chunks.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.chunks / digest, data)
+        atomic_write(self.chunks / digest, data)
 
     def put_manifest(self, cid: str, data: bytes) -> None:
         """Store a fetched manifest (last, after its chunks: the checkpoint becomes visible)."""
         ck.decode(data, expected_cid=cid)
         self.manifests.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.manifests / cid, data)
+        atomic_write(self.manifests / cid, data)
 
     # -- reading ------------------------------------------------------------------------
 
