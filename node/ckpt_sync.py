@@ -123,24 +123,27 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
         session = _Session(substrate, peer)
         try:
             while not finished.is_set():
-                with trio.move_on_after(0.2):
+                index = None
+                with trio.move_on_after(0.2):  # only the wait for work is bounded this way
                     index = await receive.receive()
-                    try:
-                        with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
-                            req = next(_ids)
-                            data = await session.ask(cx.request_chunk(req, cid, index), req,
-                                                     "ckpt.chunk")
-                        store.put_chunk(manifest.chunks[index], data)
-                    except (Exception, trio.TooSlowError) as e:
-                        log.info("chunk %d from %s failed (%r); another provider takes it",
-                                 index, peer, e)
-                        send.send_nowait(index)
-                        return
-                    remaining.discard(index)
-                    done += 1
-                    progress(done, total)
-                    if not remaining:
-                        finished.set()
+                if index is None:
+                    continue
+                try:
+                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                        req = next(_ids)
+                        data = await session.ask(cx.request_chunk(req, cid, index), req,
+                                                 "ckpt.chunk")
+                    store.put_chunk(manifest.chunks[index], data)
+                except (Exception, trio.TooSlowError) as e:
+                    log.info("chunk %d from %s failed (%r); another provider takes it",
+                             index, peer, e)
+                    send.send_nowait(index)
+                    return
+                remaining.discard(index)
+                done += 1
+                progress(done, total)
+                if not remaining:
+                    finished.set()
         finally:
             await session.close()
 

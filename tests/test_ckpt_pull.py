@@ -1,0 +1,63 @@
+"""Pulling a checkpoint from several real libp2p hosts: a stalling or lying provider costs
+time, never correctness; chunks already on disk are not fetched again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from node import ckpt_sync
+from node.checkpoints import CheckpointStore
+from p2p.host import Substrate
+from protocols import ckpt_exchange as cx
+from protocols.checkpoint import CHUNK_BYTES
+
+RUN = "QmTdidegK6mspDJn9YVtK8UDxRchER9Lqi5H187RnViwaT"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
+    source = CheckpointStore(tmp_path / "honest")
+    weights = {"w": torch.randn(3 * CHUNK_BYTES // 4 + 1000)}  # 4 chunks
+    cid = source.save(RUN, 7, weights)
+    honest, staller, liar, me = (Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(4))
+    ckpt_sync.install(honest, source)
+
+    async def stall(stream):  # reads requests, never answers
+        await trio.sleep_forever()
+
+    async def lie(stream):  # answers every request with garbage of the right shape
+        from node.streams import next_event
+        from protocols.wire import FrameDecoder
+
+        decoder = FrameDecoder(max_frame_bytes=4096)
+        while True:
+            env = await next_event(stream, decoder)
+            if env.type == "ckpt.manifest":
+                data = (source.manifests / cid).read_bytes()
+            else:
+                data = b"\x00" * 1000
+            await stream.write(cx.respond(env, data, env.body.get("index")))
+
+    staller.set_handler(cx.PROTOCOL_ID, stall)
+    liar.set_handler(cx.PROTOCOL_ID, lie)
+    target = CheckpointStore(tmp_path / "me")
+    seen: list[tuple[int, int]] = []
+    async with trio.open_nursery() as nursery:
+        for s in (honest, staller, liar, me):
+            await nursery.start(s.serve)
+        providers = [await me.connect(s.addrs()[0]) for s in (staller, liar, honest)]
+        with trio.fail_after(60):
+            await ckpt_sync.pull(me, providers, cid, target, chunk_timeout=2.0,
+                                 progress=lambda d, t: seen.append((d, t)))
+        manifest, loaded = target.load(cid)
+        assert manifest.step == 7 and torch.equal(loaded["w"], weights["w"])
+        assert seen[-1] == (4, 4)
+        # A second pull finds every chunk on disk and asks nobody for chunks.
+        seen.clear()
+        with trio.fail_after(30):
+            await ckpt_sync.pull(me, [providers[2]], cid, target)
+        nursery.cancel_scope.cancel()
