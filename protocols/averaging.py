@@ -1,43 +1,62 @@
 """`/peertrain/avg/1.0.0`: one symmetric pairwise exchange of flat weight vectors.
 
-Both peers send their current parameter vector θ for round r and receive the partner's.
-Messages are wire frames (protocols/wire.py):
+NoLoCo (specs/algorithms.md §1) needs only the current weights θ of each group member
+(β = γ), so for round r both peers send their flat θ_r and receive the partner's. The full
+spec, with the measured codecs, is docs/averaging-protocol.md. Messages are wire frames
+(protocols/wire.py); every envelope's id is the round:
 
     initiator -> avg.offer  {run, round, numel, codecs: [preferred first], chunk, lanes}
     responder -> avg.accept {round, codec, lane?}  |  avg.reject {round, reason}
-    both      -> tensor frames "theta/0", "theta/1", ... (`chunk` values each, in order,
-                 encoded with the accepted codec, protocols/codecs.py), then
-                 avg.done {round, frames}
+    both      -> tensor frames "theta/0", "theta/1", ...: frame k holds values
+                 [k*chunk, min((k+1)*chunk, numel)) encoded with the accepted codec
+                 (protocols/codecs.py; the header's dtype and shape describe the decoded
+                 values), then avg.done {round, frames}
 
-States (`Exchange.state`), one table per role; anything else is a RemoteProtocolError and
-the exchange is dead:
+Both directions use the offer's `chunk`. Chunking bounds what one frame may allocate and
+lets the receiver verify (size, NaN/Inf) as the vector arrives.
 
-    initiator: IDLE --initiate()--> OFFERED --Accepted--> SWAPPING --PeerDone--> DONE
-                                    OFFERED --Rejected--> CLOSED
-    responder: IDLE --OfferReceived--> DECIDING --accept()--> SWAPPING --PeerDone--> DONE
-                                       DECIDING --reject()--> CLOSED
+States (`Exchange.state`) and their transitions are the data in `TRANSITIONS`: a peer
+message with no entry for the current state is a RemoteProtocolError, a local call with
+none a LocalProtocolError. After a RemoteProtocolError the exchange is DEAD: every later
+call raises again, and the caller closes the stream.
 
-Lanes: if the offer lists "tcp+aes256gcm" and the responder agrees, its accept carries a
-TCP port and a fresh 32-byte key, and everything after the accept (tensor frames and done,
-both ways) travels on that TCP connection sealed with AES-256-GCM (protocols/lane.py)
-instead of the libp2p stream: the same bytes, several times faster than Noise + Yamux in
-Python.
+    initiator: IDLE -initiate()-> OFFERED -avg.accept-> SWAPPING -avg.done-> DONE
+                                  OFFERED -avg.reject-> CLOSED
+    responder: IDLE -avg.offer-> DECIDING -accept()-> SWAPPING -avg.done-> DONE
+                                 DECIDING -reject()-> CLOSED
+    both:      SWAPPING -tensor frame-> SWAPPING; send_vector() once, in SWAPPING or DONE
 
-Limits: `max_numel` (the offer's size is refused above it before anything is allocated;
-the receive buffer is allocated once, at accept), chunks of at most MAX_CHUNK values,
-envelopes of at most 64 KiB.
+Pairing is the caller's: a responder learns the offer's round and size from
+`OfferReceived` and answers with `accept()` or `reject()` (node/averaging.py knows the
+membership). A responder built with a round or a size refuses other offers itself.
+
+Lanes: if the offer lists LANE_TCP and the responder agrees, its accept carries a TCP port
+and a fresh 32-byte key, and everything after the accept (tensor frames and done, both
+ways) travels on that TCP connection sealed with AES-256-GCM (protocols/lane.py) instead
+of the libp2p stream: the same bytes, several times faster than Noise + Yamux in Python.
+
+Limits (constructor arguments, checked before anything is allocated): `max_numel` values
+per vector (the receive buffer, 4 bytes a value, is allocated once, when the codec is
+agreed), `max_frames` frames per vector, chunks of at most MAX_CHUNK_ELEMS values (a
+frame's payload may be at most `codecs.max_encoded_size(codec, chunk)` bytes, refused on
+its header otherwise), envelopes of at most MAX_ENVELOPE_BYTES, offers of at most
+MAX_OFFERED codecs and lanes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
-from protocols import codecs
+from protocols import codecs as _codecs  # `codecs` is also an Exchange argument
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.wire import (
+    MAX_ID,
     NEED_DATA,
     Envelope,
     FrameDecoder,
@@ -47,23 +66,74 @@ from protocols.wire import (
     make_tensor_header,
 )
 
-PROTOCOL_ID = "/peertrain/avg/1.0.0"
-DEFAULT_CHUNK = 1 << 20  # values per tensor frame: 4 MiB of fp32
-MAX_CHUNK = 1 << 24
-MAX_ENVELOPE = 64 * 1024
-DEFAULT_MAX_NUMEL = 1 << 31
+if TYPE_CHECKING:
+    from protocols.wire import _NeedData
 
-negotiate = codecs.negotiate
+PROTOCOL_ID: Final = "/peertrain/avg/1.0.0"
+LANE_TCP: Final = "tcp+aes256gcm"
+
+DEFAULT_CHUNK_ELEMS: Final = 1 << 20  # 4 MiB of fp32 per frame
+MAX_CHUNK_ELEMS: Final = 1 << 24  # 64 MiB of fp32: the most one frame may make us buffer
+DEFAULT_MAX_NUMEL: Final = 1 << 31  # an 8 GiB receive buffer
+DEFAULT_MAX_FRAMES: Final = 1 << 16  # ~100 B of framing each: tiny chunks cannot flood us
+MAX_ENVELOPE_BYTES: Final = 64 << 10
+MAX_OFFERED: Final = 16  # codecs, or lanes, in one offer
+MAX_REASON: Final = 200  # characters of a reject's reason that are kept
+
+negotiate = _codecs.negotiate
+
+Role = Literal["initiator", "responder"]
 
 
-LANE_TCP = "tcp+aes256gcm"
+class State(enum.StrEnum):
+    IDLE = "IDLE"  # nothing sent or received yet
+    OFFERED = "OFFERED"  # initiator: offer sent, waiting for accept or reject
+    DECIDING = "DECIDING"  # responder: offer received, the caller must accept or reject
+    SWAPPING = "SWAPPING"  # codec agreed: vectors flow both ways
+    DONE = "DONE"  # the partner's vector arrived whole; received_vector() is ready
+    CLOSED = "CLOSED"  # rejected: nothing more may arrive
+    DEAD = "DEAD"  # the peer violated the protocol (RemoteProtocolError)
+
+
+_S = State
+#: (role, state, cause) -> next state. Causes are our calls ("initiate()", ...) and the
+#: peer's messages (envelope types, and "tensor" for a tensor frame). This table is the
+#: whole state machine: docs/averaging-protocol.md prints it, tests enumerate it.
+TRANSITIONS: Final[Mapping[tuple[str, State, str], State]] = MappingProxyType(
+    {
+        ("initiator", _S.IDLE, "initiate()"): _S.OFFERED,
+        ("initiator", _S.OFFERED, "avg.accept"): _S.SWAPPING,
+        ("initiator", _S.OFFERED, "avg.reject"): _S.CLOSED,
+        ("responder", _S.IDLE, "avg.offer"): _S.DECIDING,
+        ("responder", _S.DECIDING, "accept()"): _S.SWAPPING,
+        ("responder", _S.DECIDING, "reject()"): _S.CLOSED,
+        **{
+            (role, state, cause): after
+            for role in ("initiator", "responder")
+            for state, cause, after in (
+                (_S.SWAPPING, "tensor", _S.SWAPPING),
+                (_S.SWAPPING, "avg.done", _S.DONE),
+                (_S.SWAPPING, "send_vector()", _S.SWAPPING),
+                (_S.DONE, "send_vector()", _S.DONE),
+            )
+        },
+    }
+)
+#: Every cause the peer can produce (any other message type is refused in every state).
+PEER_CAUSES: Final = ("avg.offer", "avg.accept", "avg.reject", "tensor", "avg.done")
+LOCAL_CAUSES: Final = ("initiate()", "accept()", "reject()", "send_vector()")
+
+
+# --- events: frozen and slotted; don't subclass -----------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class OfferReceived:
+    """Responder: the initiator offers round `round`'s vector of `numel` values."""
+
     round: int
     numel: int
-    codecs: list[str]
+    codecs: tuple[str, ...]  # the initiator's preference order (unknown names included)
     chunk: int
     lanes: tuple[str, ...] = ()
 
@@ -74,216 +144,382 @@ class Lane:
 
     kind: str
     port: int
-    key: bytes
+    key: bytes = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
+    """Initiator: the responder agreed on `codec`; send the vector (on `lane` if given)."""
+
     codec: str
     lane: Lane | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
+    """Initiator: the responder declined; `reason` is its text, cut to MAX_REASON chars."""
+
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkReceived:
+    """Frame `index` arrived and was verified: `tensor` holds its decoded values (a view
+    into what `received_vector()` returns); `nbytes` is its payload's size on the wire."""
+
     index: int
-    nbytes: int
+    tensor: torch.Tensor = field(compare=False, repr=False)
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PeerDone:
+    """The partner's whole vector arrived, in `frames` frames: received_vector() is ready."""
+
     frames: int
 
 
+Event = OfferReceived | Accepted | Rejected | ChunkReceived | PeerDone
+
+
 class Exchange:
-    def __init__(self, role: str, run_id: str, round: int | None, numel: int | None,
-                 offered_codecs: list[str], *, chunk: int = DEFAULT_CHUNK,
-                 max_numel: int = DEFAULT_MAX_NUMEL, lanes: tuple[str, ...] = ()) -> None:
+    """One side of one round's exchange: feed the peer's bytes to `receive_data`, take
+    events from `next_event`, write what `initiate`/`accept`/`reject`/`send_vector` return.
+
+    The initiator knows its `round` and `numel`. A responder may leave them None: it then
+    takes them from the offer and its caller checks them (OfferReceived); if given, an
+    offer that disagrees is a RemoteProtocolError. `codecs` is the initiator's preference
+    list, or what a responder supports (for the caller's `negotiate`); "fp32" is always
+    acceptable as the fallback. `chunk_elems` is the initiator's values per frame.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        run_id: str,
+        round: int | None,
+        numel: int | None,
+        codecs: Sequence[str],
+        *,
+        chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+        max_numel: int = DEFAULT_MAX_NUMEL,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        lanes: Sequence[str] = (),
+    ) -> None:
         if role not in ("initiator", "responder"):
-            raise LocalProtocolError(f"unknown role {role!r}")
+            raise LocalProtocolError(f"role must be 'initiator' or 'responder', not {role!r}")
+        if type(run_id) is not str or not run_id:
+            raise LocalProtocolError("run_id must be a non-empty str")
+        for name, value, high in (
+            ("max_numel", max_numel, None),
+            ("max_frames", max_frames, None),
+            ("chunk_elems", chunk_elems, MAX_CHUNK_ELEMS),
+        ):
+            if not _int_in(value, 1, high):
+                raise LocalProtocolError(f"{name} must be an int in [1, {high}], not {value!r}")
         if role == "initiator" and (round is None or numel is None):
             raise LocalProtocolError("an initiator knows its round and size")
-        self.role, self.run_id = role, run_id
-        self.round, self.numel = round, numel
-        self.codecs = [c for c in offered_codecs if c in codecs.CODECS] or ["fp32"]
-        self.chunk, self.max_numel = chunk, max_numel
-        self.lanes = lanes
-        self.codec: str | None = None
-        self.state = "IDLE"
-        self._decoder = FrameDecoder(max_frame_bytes=MAX_ENVELOPE,
-                                     max_tensor_bytes=codecs.encoded_size("int8", MAX_CHUNK)
-                                     + 4 * MAX_CHUNK, allowed_codecs=frozenset(codecs.CODECS))
+        if round is not None and not _int_in(round, 0, MAX_ID - 1):
+            raise LocalProtocolError(f"round must be an int in [0, 2**63), not {round!r}")
+        if numel is not None and not _int_in(numel, 1, max_numel):
+            raise LocalProtocolError(f"numel must be an int in [1, {max_numel}], not {numel!r}")
+        if role == "initiator" and _frames(numel, chunk_elems) > max_frames:
+            raise LocalProtocolError(
+                f"{numel} values in chunks of {chunk_elems} exceed max_frames={max_frames}"
+            )
+        codecs = tuple(codecs)
+        if not codecs or not all(c in _codecs.CODECS for c in codecs):
+            raise LocalProtocolError(
+                f"codecs must be a non-empty list of {list(_codecs.CODECS)}, not {list(codecs)}"
+            )
+        self.role: Role = role
+        self.run_id = run_id
+        self.round = round
+        self.numel = numel
+        self.codecs: tuple[str, ...] = codecs
+        self.chunk = chunk_elems
+        self.max_numel = max_numel
+        self.max_frames = max_frames
+        self.lanes: tuple[str, ...] = tuple(lanes)
+        self.state = State.IDLE
+        self.codec: str | None = None  # once agreed
+        self.offer: OfferReceived | None = None  # responder, once received
+        # No tensor frame is acceptable before a codec is agreed (or after the peer's done):
+        # a 0-byte limit refuses one on its header, before its payload is buffered.
+        self._decoder = FrameDecoder(
+            max_frame_bytes=MAX_ENVELOPE_BYTES,
+            max_tensor_bytes=0,
+            allowed_codecs=frozenset(_codecs.CODECS),
+        )
         self._received: torch.Tensor | None = None
-        self._next_index = 0
+        self._frames_in = 0
         self._filled = 0
-        self._dead: RemoteProtocolError | None = None
+        self._sent = False
+        self._error: RemoteProtocolError | None = None
 
-    # -- sending ------------------------------------------------------------------------
+    # -- our side ---------------------------------------------------------------------------
 
     def initiate(self) -> bytes:
-        self._expect_state("IDLE", "initiator")
-        self.state = "OFFERED"
-        return encode_envelope(Envelope("avg.offer", self.round or 0, {
-            "run": self.run_id, "round": self.round, "numel": self.numel,
-            "codecs": self.codecs, "chunk": self.chunk, "lanes": list(self.lanes)}))
+        """The offer, to be written first (initiator)."""
+        after = self._local("initiate()")
+        body = {
+            "run": self.run_id,
+            "round": self.round,
+            "numel": self.numel,
+            "codecs": list(self.codecs),
+            "chunk": self.chunk,
+            "lanes": list(self.lanes),
+        }
+        data = self._envelope("avg.offer", body)
+        self.state = after
+        return data
 
     def accept(self, codec: str, lane: Lane | None = None) -> bytes:
-        self._expect_state("DECIDING", "responder")
-        if codec not in codecs.CODECS:
-            raise LocalProtocolError(f"unknown codec {codec!r}")
-        self._start_swap(codec)
+        """Agree on `codec` (one the offer lists, or "fp32"); allocates the receive buffer."""
+        after = self._local("accept()")
+        assert self.offer is not None
+        if codec not in _codecs.CODECS or (
+            codec not in self.offer.codecs and codec != _codecs.FALLBACK
+        ):
+            raise LocalProtocolError(
+                f"cannot accept {codec!r}: the offer lists {list(self.offer.codecs)}"
+                f" (and {_codecs.FALLBACK!r} is always possible)"
+            )
         body: dict[str, Any] = {"round": self.round, "codec": codec}
         if lane is not None:
+            if lane.kind not in self.offer.lanes:
+                raise LocalProtocolError(f"lane {lane.kind!r} was not offered")
             body["lane"] = {"kind": lane.kind, "port": lane.port, "key": lane.key}
-        return encode_envelope(Envelope("avg.accept", self.round or 0, body))
+        data = self._envelope("avg.accept", body)
+        self._agree(codec)
+        self.state = after
+        return data
 
     def reject(self, reason: str) -> bytes:
-        self._expect_state("DECIDING", "responder")
-        self.state = "CLOSED"
-        return encode_envelope(Envelope("avg.reject", self.round or 0,
-                                        {"round": self.round, "reason": reason[:200]}))
+        """Decline the offer, saying why (responder)."""
+        after = self._local("reject()")
+        body = {"round": self.round, "reason": str(reason)[:MAX_REASON]}
+        data = self._envelope("avg.reject", body)
+        self.state = after
+        return data
 
     def send_vector(self, vec: torch.Tensor) -> list[bytes | memoryview]:
-        """Every frame of our vector plus avg.done, as one gather list."""
-        if self.state not in ("SWAPPING", "DONE") or self.codec is None:
-            raise LocalProtocolError("send_vector before the offer was accepted")
-        if vec.numel() != self.numel:
-            raise LocalProtocolError(f"vector has {vec.numel()} values, exchange is {self.numel}")
-        flat = vec.detach().to(torch.float32).contiguous().view(-1)
+        """Every tensor frame of our vector, then avg.done, as one gather list (call once).
+
+        With fp32 the payloads are views of `vec`'s memory: keep it unchanged until they
+        are written.
+        """
+        self._local("send_vector()")
+        if self._sent:
+            raise LocalProtocolError("send_vector() was already called")
+        assert self.codec is not None and self.numel is not None
+        if not isinstance(vec, torch.Tensor) or vec.numel() != self.numel:
+            size = vec.numel() if isinstance(vec, torch.Tensor) else type(vec).__name__
+            raise LocalProtocolError(f"the vector must have {self.numel} values, not {size}")
+        flat = vec.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         out: list[bytes | memoryview] = []
         frames = 0
-        for frames, start in enumerate(range(0, flat.numel(), self.chunk), start=1):
-            enc = codecs.encode(flat[start:start + self.chunk], self.codec)
-            header = make_tensor_header(f"theta/{frames - 1}", "uint8", (len(enc.payload),),
-                                        self.codec, enc.payload)
-            out.extend(encode_tensor_frame(header, enc.payload))
-        out.append(encode_envelope(Envelope("avg.done", self.round or 0,
-                                            {"round": self.round, "frames": frames})))
+        for frames, start in enumerate(range(0, self.numel, self.chunk), start=1):
+            enc = _codecs.encode(flat[start : start + self.chunk], self.codec)
+            name = f"theta/{frames - 1}"
+            header = make_tensor_header(name, enc.dtype, enc.shape, enc.codec, enc.payload)
+            out.extend(encode_tensor_frame(header, enc.payload, id=self._id()))
+        out.append(self._envelope("avg.done", {"round": self.round, "frames": frames}))
+        self._sent = True
         return out
 
-    # -- receiving ----------------------------------------------------------------------
+    # -- the peer's side --------------------------------------------------------------------
 
-    def receive_data(self, data: bytes | memoryview) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes from the peer (copied); the events come out of `next_event`."""
+        self._check_alive()
         self._decoder.feed(data)
 
-    def next_event(self) -> Any:
-        if self._dead is not None:
-            raise self._dead
+    def next_event(self) -> Event | Literal[_NeedData.NEED_DATA]:
+        """The next event, or NEED_DATA. RemoteProtocolError if the peer broke the protocol;
+        the exchange is then DEAD."""
+        self._check_alive()
+        state = self.state
         try:
             frame = self._decoder.next_event()
             if frame is NEED_DATA:
                 return NEED_DATA
-            return self._handle(frame)
-        except RemoteProtocolError as e:
-            self._dead = e
-            self.state = "DEAD"
-            raise
+            cause = "tensor" if isinstance(frame, TensorFrame) else frame.type
+            after = TRANSITIONS.get((self.role, state, cause))
+            if after is None:
+                what = "tensor frame" if cause == "tensor" else f"message {cause!r}"
+                raise RemoteProtocolError(f"unexpected {what}")
+            event = self._handle(cause, frame)
+        except RemoteProtocolError as exc:
+            self.state = State.DEAD
+            self._error = RemoteProtocolError(f"avg {self.role} in {state}: {exc}")
+            raise self._error from exc
+        self.state = after
+        return event
 
     def received_vector(self) -> torch.Tensor:
-        if self.state != "DONE" or self._received is None:
-            raise LocalProtocolError("the partner's vector is not complete")
+        """The partner's whole vector (fp32, writable), once PeerDone has been returned."""
+        if self.state is not State.DONE or self._received is None:
+            raise LocalProtocolError(f"the partner's vector is not complete ({self.state})")
         return self._received
 
-    # -- internals ----------------------------------------------------------------------
+    # -- internals --------------------------------------------------------------------------
 
-    def _handle(self, frame: Envelope | TensorFrame) -> Any:
+    def _handle(self, cause: str, frame: Envelope | TensorFrame) -> Event:
         if isinstance(frame, TensorFrame):
             return self._on_chunk(frame)
-        body = frame.body if isinstance(frame.body, dict) else {}
-        kind = frame.type
-        if kind == "avg.offer" and self.role == "responder" and self.state == "IDLE":
+        body = frame.body
+        if type(body) is not dict:
+            raise RemoteProtocolError(f"{cause} body must be a map")
+        if cause == "avg.offer":
             return self._on_offer(body)
-        if kind == "avg.accept" and self.state == "OFFERED":
-            self._check_round(body)
-            codec = body.get("codec")
-            if codec not in self.codecs:
-                raise RemoteProtocolError(
-                    f"partner chose codec {codec!r}, we offered {self.codecs}")
-            lane = _parse_lane(body.get("lane"), self.lanes)
-            self._start_swap(codec)
-            return Accepted(codec, lane)
-        if kind == "avg.reject" and self.state == "OFFERED":
-            self.state = "CLOSED"
-            return Rejected(str(body.get("reason", ""))[:200])
-        if kind == "avg.done" and self.state == "SWAPPING":
-            self._check_round(body)
-            if body.get("frames") != self._next_index or self._filled != self.numel:
-                raise RemoteProtocolError(f"partner finished after {self._next_index} frames "
-                                          f"({self._filled} of {self.numel} values)")
-            self.state = "DONE"
-            return PeerDone(self._next_index)
-        raise RemoteProtocolError(f"unexpected {kind!r} in state {self.state}")
+        if body.get("round") != self.round:
+            raise RemoteProtocolError(
+                f"{cause} for round {_short(body.get('round'))}; this exchange is {self.round}"
+            )
+        if cause == "avg.accept":
+            return self._on_accept(body)
+        if cause == "avg.reject":
+            reason = body.get("reason")
+            if type(reason) is not str:
+                raise RemoteProtocolError("avg.reject without a reason string")
+            return Rejected(reason[:MAX_REASON])
+        return self._on_done(body)  # TRANSITIONS admits no other cause here
 
     def _on_offer(self, body: dict) -> OfferReceived:
-        r, numel, offered, chunk = (body.get(k) for k in ("round", "numel", "codecs", "chunk"))
-        if body.get("run") != self.run_id:
-            raise RemoteProtocolError(f"offer for another run ({str(body.get('run'))[:60]})")
-        if not _is_int(r) or r < 0:
-            raise RemoteProtocolError("offer without a valid round")
-        if not _is_int(numel) or not 0 < numel <= self.max_numel:
-            raise RemoteProtocolError(f"offer of {numel!r} values (limit {self.max_numel})")
-        if not _is_int(chunk) or not 0 < chunk <= MAX_CHUNK:
-            raise RemoteProtocolError(f"chunk of {chunk!r} values (limit {MAX_CHUNK})")
-        if not isinstance(offered, list) or not all(isinstance(c, str) for c in offered):
-            raise RemoteProtocolError("offer codecs must be a list of strings")
-        lanes = body.get("lanes", [])
-        if not isinstance(lanes, list):
-            raise RemoteProtocolError("offer lanes must be a list")
+        run = body.get("run")
+        if run != self.run_id:
+            raise RemoteProtocolError(f"offer for another run ({_short(run)})")
+        r, numel, chunk = body.get("round"), body.get("numel"), body.get("chunk")
+        if not _int_in(r, 0, MAX_ID - 1):
+            raise RemoteProtocolError(f"offer without a valid round ({_short(r)})")
+        if self.round is not None and r != self.round:
+            raise RemoteProtocolError(f"offer for round {r}; this exchange is round {self.round}")
+        if not _int_in(numel, 1, self.max_numel):
+            raise RemoteProtocolError(f"offer of {_short(numel)} values (limit {self.max_numel})")
+        if self.numel is not None and numel != self.numel:
+            raise RemoteProtocolError(f"offer of {numel} values; our vector has {self.numel}")
+        if not _int_in(chunk, 1, MAX_CHUNK_ELEMS):
+            raise RemoteProtocolError(
+                f"offer of chunks of {_short(chunk)} values (limit {MAX_CHUNK_ELEMS})"
+            )
+        if _frames(numel, chunk) > self.max_frames:
+            raise RemoteProtocolError(
+                f"offer of {numel} values in chunks of {chunk}: {_frames(numel, chunk)} frames"
+                f" (limit {self.max_frames})"
+            )
+        offered = _str_list(body.get("codecs"), "codecs")
+        lanes = _str_list(body.get("lanes", []), "lanes")
         self.round, self.numel, self.chunk = r, numel, chunk
-        self.state = "DECIDING"
-        return OfferReceived(r, numel, offered[:16], chunk,
-                             tuple(x for x in lanes[:8] if isinstance(x, str)))
+        self.offer = OfferReceived(r, numel, offered, chunk, lanes)
+        return self.offer
 
-    def _start_swap(self, codec: str) -> None:
-        assert self.numel is not None
-        self.codec = codec
-        self.state = "SWAPPING"
-        self._received = torch.empty(self.numel, dtype=torch.float32)
+    def _on_accept(self, body: dict) -> Accepted:
+        codec = body.get("codec")
+        if codec not in self.codecs and codec != _codecs.FALLBACK:
+            raise RemoteProtocolError(
+                f"partner chose codec {_short(codec)}; we offered {list(self.codecs)}"
+            )
+        lane = _parse_lane(body.get("lane"), self.lanes)
+        self._agree(codec)
+        return Accepted(codec, lane)
 
     def _on_chunk(self, frame: TensorFrame) -> ChunkReceived:
-        if self.state != "SWAPPING" or self._received is None:
-            raise RemoteProtocolError(f"tensor frame in state {self.state}")
-        h = frame.header
-        if h.name != f"theta/{self._next_index}":
-            raise RemoteProtocolError(f"expected theta/{self._next_index}, got {h.name[:40]!r}")
-        if h.dtype != "uint8" or len(h.shape) != 1:
-            raise RemoteProtocolError(f"frame of dtype {h.dtype} shape {list(h.shape)[:4]}; "
-                                      "encoded chunks travel as 1-d uint8")
-        if h.codec != self.codec:
-            raise RemoteProtocolError(f"frame codec {h.codec!r}, agreed {self.codec!r}")
-        count = min(self.chunk, self.numel - self._filled)
-        if count <= 0:
-            raise RemoteProtocolError("more frames than the vector has values")
-        codecs.decode(self.codec, count, frame.payload,
-                      out=self._received[self._filled:self._filled + count])
+        assert self._received is not None and self.numel is not None
+        header, index = frame.header, self._frames_in
+        remaining = self.numel - self._filled
+        if remaining == 0:
+            raise RemoteProtocolError(
+                f"too many frames: all {self.numel} values came in {index}, then {header.name!r}"
+            )
+        if header.name != f"theta/{index}":
+            raise RemoteProtocolError(
+                f"frame out of order: expected 'theta/{index}', got {header.name!r}"
+            )
+        count = min(self.chunk, remaining)
+        values = self._received[self._filled : self._filled + count]
+        try:  # the wire decoder has already refused any codec but the agreed one
+            _codecs.decode(
+                header.codec, header.dtype, header.shape, frame.payload, count, out=values
+            )
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(f"theta/{index}: {exc}") from exc
         self._filled += count
-        self._next_index += 1
-        return ChunkReceived(self._next_index - 1, len(frame.payload))
+        self._frames_in += 1
+        return ChunkReceived(index, values, header.length)
 
-    def _check_round(self, body: dict) -> None:
-        if body.get("round") != self.round:
-            raise RemoteProtocolError(f"message for round {body.get('round')!r}, "
-                                      f"exchange is round {self.round}")
+    def _on_done(self, body: dict) -> PeerDone:
+        frames = body.get("frames")
+        if frames != self._frames_in or self._filled != self.numel:
+            raise RemoteProtocolError(
+                f"avg.done says {_short(frames)} frames; {self._frames_in} arrived"
+                f" ({self._filled} of {self.numel} values)"
+            )
+        self._decoder.max_tensor_bytes = 0  # nothing more may come: buffer none of it
+        return PeerDone(self._frames_in)
 
-    def _expect_state(self, state: str, role: str) -> None:
-        if self.state != state or self.role != role:
-            raise LocalProtocolError(f"{role} call in state {self.state} as {self.role}")
+    def _agree(self, codec: str) -> None:
+        assert self.numel is not None
+        self.codec = codec
+        # From here on a frame must be in this codec and at most one chunk's worth.
+        self._decoder.allowed_codecs = frozenset({codec})
+        self._decoder.max_tensor_bytes = _codecs.max_encoded_size(codec, self.chunk)
+        self._received = torch.empty(self.numel, dtype=torch.float32)
+
+    def _local(self, cause: str) -> State:
+        if self._error is not None:
+            raise LocalProtocolError(f"{cause} on a failed exchange ({self._error})")
+        after = TRANSITIONS.get((self.role, self.state, cause))
+        if after is None:
+            raise LocalProtocolError(f"{cause} is not allowed to a {self.role} in {self.state}")
+        return after
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RemoteProtocolError(f"exchange already failed: {self._error}")
+
+    def _id(self) -> int:
+        assert self.round is not None  # nothing is sent before the round is known
+        return self.round
+
+    def _envelope(self, type_: str, body: dict[str, Any]) -> bytes:
+        return encode_envelope(
+            Envelope(type_, self._id(), body), max_frame_bytes=MAX_ENVELOPE_BYTES
+        )
 
 
 def _parse_lane(doc: Any, offered: tuple[str, ...]) -> Lane | None:
     if doc is None:
         return None
-    if not isinstance(doc, dict) or doc.get("kind") not in offered:
+    if type(doc) is not dict or doc.get("kind") not in offered:
         raise RemoteProtocolError("partner chose a lane we did not offer")
     port, key = doc.get("port"), doc.get("key")
-    if not _is_int(port) or not 0 < port < 65536 or not isinstance(key, bytes) or len(key) != 32:
+    if not _int_in(port, 1, 65535) or type(key) is not bytes or len(key) != 32:
         raise RemoteProtocolError("lane needs a TCP port and a 32-byte key")
     return Lane(doc["kind"], port, key)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _str_list(value: Any, what: str) -> tuple[str, ...]:
+    if (
+        type(value) is not list
+        or len(value) > MAX_OFFERED
+        or not all(type(v) is str and len(v) <= 64 for v in value)
+    ):
+        raise RemoteProtocolError(f"offer {what}: a list of at most {MAX_OFFERED} short strings")
+    return tuple(value)
+
+
+def _frames(numel: int | None, chunk: int) -> int:
+    return -(-(numel or 0) // chunk)
+
+
+def _int_in(value: Any, low: int, high: int | None) -> bool:
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages: the value may be the peer's."""
+    text = repr(value) if type(value) in (int, str, bool, float, type(None)) else None
+    if text is None:
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
