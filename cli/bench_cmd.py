@@ -33,7 +33,7 @@ def utilization(
 
 @app.command()
 def convergence(quick: Quick = False) -> None:
-    """NoLoCo vs DiLoCo vs no communication vs synchronous, at equal compute (PNG plot)."""
+    """NoLoCo vs DiLoCo vs NoLoCo-over-all vs none vs synchronous, equal compute (PNG)."""
     from testnet.bench import convergence as bench
 
     bench.main(quick=quick)
