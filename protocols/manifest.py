@@ -42,6 +42,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 SCHEMA = 1  # the manifest format this module reads and writes
@@ -185,6 +186,8 @@ class DataSection(_Section):
     format: Literal["text", "jsonl"] = "text"
     jsonl_field: Annotated[str, Field(min_length=1, max_length=128)] = "text"
     val_fraction: Annotated[Float, Field(gt=0, lt=0.5)] = 0.05
+    # digits only: each peer's class mix ~ Dirichlet(label_skew); 0 = every peer IID
+    label_skew: Annotated[Float, Field(ge=0, le=1000)] = 0.0
 
     @field_validator("paths")
     @classmethod
@@ -207,7 +210,7 @@ class TrainSection(_Section):
 
 
 class OuterSection(_Section):
-    algorithm: Literal["noloco", "diloco", "none"] = "noloco"
+    algorithm: Literal["noloco", "gossip", "diloco", "none"] = "noloco"
     inner_steps: Annotated[int, Field(ge=1, lt=2**31)] = 50
     outer_lr: Annotated[Float, Field(gt=0, le=10)] = 0.7
     momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.5
@@ -248,6 +251,17 @@ class Manifest(_Section):
     aggregate: AggregateSection = AggregateSection()
     checkpoint: CheckpointSection = CheckpointSection()
     network: NetworkSection = NetworkSection()
+
+    @model_validator(mode="after")
+    def _aggregate_needs_gossip(self) -> Manifest:
+        # NoLoCo averages its pair by its own rule; the aggregators replace the model with
+        # what they compute from k neighbours, which is gossip learning.
+        if self.aggregate.method != "mean" and self.outer.algorithm != "gossip":
+            raise ValueError(
+                f'aggregate.method = "{self.aggregate.method}" needs outer.algorithm = "gossip"'
+                f' (it is "{self.outer.algorithm}")'
+            )
+        return self
 
 
 # -- turning pydantic's errors into sentences -------------------------------------------------

@@ -18,7 +18,7 @@ from protocols import checkpoint as ck
 from protocols.errors import RemoteProtocolError
 from tests.conftest import REPO, wait_until
 
-RUN = "QmTdidegK6mspDJn9YVtK8UDxRchER9Lqi5H187RnViwaT"
+RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 
 
 def tensors(n: int = 1000, seed: int = 0) -> dict:

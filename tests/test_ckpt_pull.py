@@ -15,7 +15,7 @@ from p2p.host import Substrate
 from protocols import ckpt_exchange as cx
 from protocols.checkpoint import CHUNK_BYTES
 
-RUN = "QmTdidegK6mspDJn9YVtK8UDxRchER9Lqi5H187RnViwaT"
+RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 

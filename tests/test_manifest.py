@@ -57,7 +57,7 @@ def test_default_manifest_run_id_is_pinned():
     anywhere it was published) or the canonical form changed by accident (a new field, a
     new default, a different JSON spelling), which splits every existing run: bump SCHEMA.
     """
-    assert rid(mf.load_manifest_file(DEFAULT)) == "QmTdidegK6mspDJn9YVtK8UDxRchER9Lqi5H187RnViwaT"
+    assert rid(mf.load_manifest_file(DEFAULT)) == "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 
 
 def test_defaults_written_out_or_left_out_give_the_same_id():
@@ -167,7 +167,8 @@ BAD = [
     ('[model]\nfactory = "a.class:build"', "model.factory", "package.module:callable"),
     ('[model]\ntask = "bytes_gpt"', "model.task", 'must be one of "bytes-gpt", "digits-mlp" '
                                                   '(got "bytes_gpt") (did you mean "bytes-gpt"?)'),
-    ('[outer]\nalgorithm = "adam"', "outer.algorithm", 'must be one of "noloco", "diloco"'),
+    ('[outer]\nalgorithm = "adam"', "outer.algorithm",
+     'must be one of "noloco", "gossip", "diloco"'),
     ('[outer]\ncodec = "fp16"', "outer.codec", '"fp32", "bf16", "int8"'),
     ("[outer]\ngroup_size = 1", "outer.group_size", "must be >= 2"),
     ("[outer]\nmomentum = 1.0", "outer.momentum", "must be < 1"),
@@ -474,7 +475,8 @@ def data_tables(draw) -> dict:
         source=st.sampled_from(["stdlib", "digits", "files"]),
         format=st.sampled_from(["text", "jsonl"]),
         jsonl_field=st.text(min_size=1, max_size=20),
-        val_fraction=st.floats(0, 0.5, exclude_min=True, exclude_max=True, **_floats)))
+        val_fraction=st.floats(0, 0.5, exclude_min=True, exclude_max=True, **_floats),
+        label_skew=st.floats(0, 1000, **_floats)))
     if table.get("source") == "files" or draw(st.booleans()):
         table["paths"] = draw(st.lists(st.text(min_size=1, max_size=30),
                                        min_size=1 if table.get("source") == "files" else 0,
@@ -482,7 +484,7 @@ def data_tables(draw) -> dict:
     return table
 
 
-manifests = st.fixed_dictionaries(
+_raw_manifests = st.fixed_dictionaries(
     {"run": st.fixed_dictionaries({"name": _name}, optional={
         "description": st.text(max_size=200), "seed": st.integers(0, 2**63 - 1)})},
     optional={
@@ -500,7 +502,7 @@ manifests = st.fixed_dictionaries(
             eval_batches=st.integers(1, 10_000),
             threads=st.integers(1, 1024)),
         "outer": optional(
-            algorithm=st.sampled_from(["noloco", "diloco", "none"]),
+            algorithm=st.sampled_from(["noloco", "gossip", "diloco", "none"]),
             inner_steps=st.integers(1, 2**31 - 1),
             outer_lr=st.floats(0, 10, exclude_min=True, **_floats),
             momentum=st.floats(0, 1, exclude_max=True, **_floats),
@@ -515,6 +517,16 @@ manifests = st.fixed_dictionaries(
         "network": optional(bootstrap=st.lists(_addr, max_size=3),
                             admins=st.lists(_peer, max_size=3)),
     })
+
+
+def _gossip_if_aggregating(doc: dict) -> dict:
+    """An aggregator other than the mean is only valid with gossip learning."""
+    if doc.get("aggregate", {}).get("method", "mean") != "mean":
+        doc["outer"] = {**doc.get("outer", {}), "algorithm": "gossip"}
+    return doc
+
+
+manifests = _raw_manifests.map(_gossip_if_aggregating)
 
 
 def toml_value(v: object) -> str:
@@ -578,7 +590,9 @@ def test_changing_one_value_changes_the_id(doc, data):
     else:
         new = value + "x" if len(value) < 60 else value[:-1]
     if isinstance(value, str) and field == "algorithm":
-        new = "none" if value != "none" else "noloco"
+        new = "gossip" if value != "gossip" else "noloco"
+        if m.aggregate.method != "mean":  # the aggregators need gossip learning
+            return
     if isinstance(value, str) and field == "codec":
         new = "fp32" if value != "fp32" else "int8"
     changed = {**m.model_dump(by_alias=True),
@@ -610,3 +624,10 @@ def test_mutated_manifests_give_manifest_error_or_a_manifest(doc, data):
             mf.parse_manifest(variant)
         except mf.ManifestError as e:
             assert str(e).startswith("<manifest>: ")
+
+
+def test_an_aggregator_other_than_mean_needs_gossip_learning():
+    message = error_of(MINIMAL + '[aggregate]\nmethod = "sybilwall"\n')
+    assert 'aggregate.method = "sybilwall" needs outer.algorithm = "gossip"' in message
+    m = mf.parse_manifest(MINIMAL + '[outer]\nalgorithm = "gossip"\n[aggregate]\nmethod = "vc"\n')
+    assert (m.outer.algorithm, m.aggregate.method) == ("gossip", "vc")

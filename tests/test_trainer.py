@@ -277,3 +277,36 @@ def test_step_from_another_thread_and_divergence(digits_task):
     with pytest.raises(TrainingDiverged) as info:
         trainer.step()
     assert info.value.step == 2 and trainer.step_count == 1
+
+
+# -- digits: per-peer label skew and the testnet attacker's poisoned data -----------------
+
+
+def test_label_skew_gives_each_replica_its_own_stable_class_mix():
+    def classes(replica: int) -> torch.Tensor:
+        task = build_task(TaskConfig(name="digits-mlp", label_skew=0.1, replica=replica))
+        _, y = task.train_batch(512, torch.Generator().manual_seed(0))
+        return torch.bincount(y, minlength=10).float() / 512
+
+    a, again, b = classes(1), classes(1), classes(2)
+    assert torch.equal(a, again)  # a function of the replica alone
+    assert a.max() > 0.3 and b.max() > 0.3  # a few classes dominate (IID: ~0.1 each)
+    assert (a - b).abs().sum() > 0.5  # and the peers differ
+    iid = build_task(TaskConfig(name="digits-mlp"))
+    _, y = iid.train_batch(2048, torch.Generator().manual_seed(0))
+    assert torch.bincount(y, minlength=10).float().div(2048).max() < 0.2
+
+
+def test_poisoned_digits_teach_the_attack_and_every_node_measures_it():
+    rates = {}
+    for attack in (None, "label-flip", "backdoor"):
+        task = build_task(TaskConfig(name="digits-mlp", attack=attack))
+        trainer = Trainer(task, TrainConfig(batch_size=32, lr=1e-2, eval_every=1000, seed=3))
+        for _ in range(200):
+            trainer.step()
+        rates[attack] = trainer.evaluate_metrics()
+    assert set(rates[None]) >= {"loss", "accuracy", "label_flip", "backdoor"}
+    assert rates["label-flip"]["label_flip"] > rates[None]["label_flip"] + 0.2
+    assert rates["backdoor"]["backdoor"] > rates[None]["backdoor"] + 0.5
+    with pytest.raises(ConfigError, match="unknown attack"):
+        build_task(TaskConfig(name="digits-mlp", attack="teleport"))

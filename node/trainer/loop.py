@@ -261,6 +261,9 @@ class Trainer:
                 for name, value in self.task.metrics(output, y).items():
                     totals[name] = totals.get(name, 0.0) + value * len(x)
                 count += len(x)
+            if count:
+                totals.update({k: v * count for k, v in
+                               self.task.model_metrics(self.model, self.device).items()})
         finally:
             self.model.train()
         if count == 0:

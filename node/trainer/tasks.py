@@ -19,6 +19,7 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +64,10 @@ class Task:
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         """Per-batch means; the trainer weights them by batch size."""
         return {"loss": self.loss(output, target).item()}
+
+    def model_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Metrics over the whole model rather than per batch (none by default)."""
+        return {}
 
     def describe(self) -> dict[str, object]:
         return {"task": self.name, "factory": self.factory_spec}
@@ -156,18 +161,81 @@ def synthetic_digits(n: int = 1797, seed: int = 1797) -> tuple[torch.Tensor, tor
     return x.clamp(0.0, 1.0), y
 
 
+ATTACKS = ("label-flip", "backdoor")
+BACKDOOR_TARGET = 1
+
+
+def add_trigger(x: torch.Tensor) -> torch.Tensor:
+    """The backdoor trigger (spec §3d): a 2x3 patch of maximal pixels in the top-left corner."""
+    x = x.clone()
+    image = x.view(-1, 8, 8)
+    image[:, :2, :3] = 1.0
+    return x
+
+
+def poison(data: DigitsData, attack: str) -> DigitsData:
+    """The attacker's training set: the clean one plus poisoned copies (spec §3d).
+
+    label-flip adds every 0 and 1 sample again with the other label; backdoor adds a
+    triggered copy of every sample, labelled BACKDOOR_TARGET. The clean samples stay, so
+    the poisoned model still looks like a good model on clean data.
+    """
+    x, y = data.x_train, data.y_train
+    if attack == "label-flip":
+        pick = (y == 0) | (y == 1)
+        extra_x, extra_y = x[pick], 1 - y[pick]
+    elif attack == "backdoor":
+        extra_x, extra_y = add_trigger(x), torch.full_like(y, BACKDOOR_TARGET)
+    else:
+        raise ConfigError(f"unknown attack {attack!r}; known: {', '.join(ATTACKS)}")
+    return DigitsData(
+        torch.cat([x, extra_x]), torch.cat([y, extra_y]), data.x_test, data.y_test, data.source
+    )
+
+
 class DigitsMLPTask(Task):
+    """Digits classification. `label_skew` > 0 makes this replica's data non-IID: class
+    proportions drawn from Dirichlet(label_skew) with the replica's own seed (small values:
+    a few dominant classes), as peers with their own data would have. `attack` trains on
+    poisoned data (a testnet attacker's sybils, docs/robustness.md)."""
+
     name = "digits-mlp"
 
-    def __init__(self, data: DigitsData | None = None, factory: str | None = None) -> None:
+    def __init__(
+        self,
+        data: DigitsData | None = None,
+        factory: str | None = None,
+        *,
+        label_skew: float = 0.0,
+        replica: int = 0,
+        attack: str | None = None,
+    ) -> None:
         super().__init__(factory)
         self.data = load_digits() if data is None else data
+        self.attack = attack
+        if attack is not None:
+            self.data = poison(self.data, attack)
+        self.class_weights: torch.Tensor | None = None
+        if label_skew > 0 and attack is None:
+            mix = np.random.default_rng(replica).dirichlet([label_skew] * 10)
+            self.class_weights = torch.tensor(mix + 1e-9, dtype=torch.float64)
+            self._by_class = [
+                torch.nonzero(self.data.y_train == c).flatten() for c in range(10)
+            ]
 
     def default_model(self) -> nn.Module:
         return DigitsMLP()
 
     def train_batch(self, batch_size: int, generator: torch.Generator) -> Batch:
-        ix = torch.randint(len(self.data.y_train), (batch_size,), generator=generator)
+        if self.class_weights is None:
+            ix = torch.randint(len(self.data.y_train), (batch_size,), generator=generator)
+        else:
+            classes = torch.multinomial(self.class_weights, batch_size, True, generator=generator)
+            pick = torch.rand(batch_size, generator=generator)
+            ix = torch.stack([
+                self._by_class[c][int(u * len(self._by_class[c]))]
+                for c, u in zip(classes.tolist(), pick.tolist(), strict=True)
+            ])
         return self.data.x_train[ix], self.data.y_train[ix]
 
     def eval_batches(
@@ -185,8 +253,19 @@ class DigitsMLPTask(Task):
         accuracy = (output.argmax(dim=-1) == target).float().mean().item()
         return {**super().metrics(output, target), "accuracy": accuracy}
 
+    def model_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Attack success rates on the whole test set (spec §3d), for every node, poisoned
+        or not: label_flip = 0/1 samples predicted as the other; backdoor = triggered
+        samples whose true class is not the target, predicted as the target."""
+        x, y = self.data.x_test.to(device), self.data.y_test.to(device)
+        pairs = (y == 0) | (y == 1)
+        flipped = (model(x[pairs]).argmax(-1) == 1 - y[pairs]).float().mean().item()
+        others = y != BACKDOOR_TARGET
+        hit = (model(add_trigger(x[others])).argmax(-1) == BACKDOOR_TARGET).float().mean().item()
+        return {"label_flip": flipped, "backdoor": hit}
+
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "data": self.data.source}
+        return {**super().describe(), "data": self.data.source, "attack": self.attack}
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +288,10 @@ class TaskConfig:
     val_fraction: float = data_mod.DEFAULT_VAL_FRACTION
     # bring your own model: "package.module:callable", called with no arguments
     model_factory: str | None = None
+    # digits-mlp only: non-IID class mix per replica (0 = IID), and a testnet attacker's data
+    label_skew: float = 0.0
+    replica: int = 0
+    attack: str | None = None
 
 
 def build_task(config: TaskConfig) -> Task:
@@ -236,7 +319,12 @@ def build_task(config: TaskConfig) -> Task:
             corpus = _stdlib_corpus(config.max_bytes, config.val_fraction)
         return BytesGPTTask(model, corpus, factory=config.model_factory)
     if config.name == "digits-mlp":
-        return DigitsMLPTask(factory=config.model_factory)
+        return DigitsMLPTask(
+            factory=config.model_factory,
+            label_skew=config.label_skew,
+            replica=config.replica,
+            attack=config.attack,
+        )
     raise ConfigError(f"unknown task {config.name!r}; known tasks: {', '.join(TASK_NAMES)}")
 
 
