@@ -61,6 +61,9 @@ def join(
     data: Annotated[list[Path] | None, typer.Option(
         "--data", help="Your own text/JSONL files or directories to train on (repeatable).")]
     = None,
+    attack: Annotated[str | None, typer.Option(
+        help="Testnets only: act as a sybil sending a poisoned model (label-flip or backdoor)"
+             " to test a run's defences. See docs/robustness.md.")] = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -73,12 +76,14 @@ def join(
         raise fail(str(e), 2) from None
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", 2)
+    if attack not in (None, "label-flip", "backdoor"):
+        raise fail(f"--attack {attack!r}: expected label-flip or backdoor", 2)
     state_dir = state_dir or default_state_dir()
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
                         join_timeout_s=join_timeout, train=not no_train,
-                        data=[str(p) for p in data or []])
+                        data=[str(p) for p in data or []], attack=attack)
     missing = [p for p in config.data if not Path(p).exists()]
     if missing:
         raise fail(f"--data {missing[0]}: no such file or directory", 2)

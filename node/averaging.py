@@ -131,8 +131,9 @@ class Averager:
         async with trio.open_nursery() as nursery:
             for p in partners:
                 nursery.start_soon(self._with_partner, r, p, snapshot, numel, results)
-        thetas = [results[p] for p in partners if p in results]
-        return Outcome(r, thetas, partner=",".join(p for p in partners if p in results) or None)
+        done = [p for p in partners if p in results]
+        return Outcome(r, [results[p] for p in done], partner=",".join(done) or None,
+                       peers=tuple(done))
 
     async def _with_partner(self, r: int, partner: str, snapshot: Any, numel: int,
                             results: dict[str, Any]) -> None:

@@ -30,6 +30,9 @@ class NodeConfig:
     # Local training data (text or JSONL files) replacing the manifest's data source on
     # this node: data stays where it is, each peer may train on its own shard.
     data: list[str] = field(default_factory=list)
+    # Testnet attack scenarios only: train on poisoned data, keep the poisoned model, send it
+    # to every neighbour ("label-flip" | "backdoor"; None = an honest node). docs/robustness.md
+    attack: str | None = None
 
     @property
     def role(self) -> str:

@@ -72,6 +72,7 @@ class Node:
         self.training: TrainingService | None = None
         self.rundoc: RunDocSync | None = None
         self.averager: Any = None  # node.averaging.Averager once training starts
+        self.history: Any = None  # node.history_gossip.HistoryGossip (SybilWall runs)
         self._hb_seq = 0
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -173,30 +174,46 @@ class Node:
 
     async def _start_training(self, nursery: trio.Nursery) -> None:
         from node.averaging import Averager  # imports torch: only nodes that train pay it
-        from node.run_config import build_training, check_swarm_algorithm
+        from node.run_config import build_training, check_swarm_algorithm, group_size
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
         run_id = self.config.run_id
         assert run_id is not None
-        check_swarm_algorithm(manifest)  # a clear error and exit, not a silent idle node
+        # a clear error and exit, not a silent idle node
+        check_swarm_algorithm(manifest, self.config.attack)
         latest = self.checkpoints.latest(run_id) or await self._fetch_swarm_checkpoint(run_id)
         if manifest.outer.algorithm != "none":
             self.averager = Averager(
                 self.substrate, run_id, self.peer_id,
                 members=lambda: [e.peer_id for e in self.peers.live(time.monotonic())
                                  if e.info.get("role") == "node"],
-                codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
+                codecs=[manifest.outer.codec, "fp32"], group_size=group_size(manifest),
                 step_time=self._step_time, inner_steps=manifest.outer.inner_steps)
         self.training = TrainingService(
             lambda: build_training(manifest, self.peer_id, device, self.config.data,
-                                   resume=(self.checkpoints, latest) if latest else None),
-            exchange=self.averager.exchange if self.averager else None,
+                                   resume=(self.checkpoints, latest) if latest else None,
+                                   attack=self.config.attack),
+            exchange=self._exchange if self.averager else None,
             checkpoint_every=manifest.checkpoint.every_steps, on_snapshot=self._save_checkpoint,
         )
         if self.averager is not None:
             self.averager.stats = self.training.stats
+        if manifest.aggregate.method == "sybilwall" and manifest.outer.algorithm == "gossip":
+            from node.history_gossip import HistoryGossip
+
+            self.history = HistoryGossip(self.substrate, run_id, self.signer,
+                                         lambda: self.training.outer if self.training else None)
+        self._nursery = nursery
         nursery.start_soon(self._supervise_training)
+
+    async def _exchange(self, r: int, snapshot: Any) -> Any:
+        """A round's exchange, then (SybilWall) history gossip to the same neighbours."""
+        assert self.averager is not None
+        outcome = await self.averager.exchange(r, snapshot)
+        if self.history is not None and outcome.peers:
+            self._nursery.start_soon(self.history.after_round, list(outcome.peers))
+        return outcome
 
     async def _fetch_swarm_checkpoint(self, run_id: str, sync_wait_s: float = 5.0) -> str | None:
         """Joining mid-run: the newest checkpoint in the run document, from its providers."""
@@ -424,6 +441,8 @@ class Node:
             "gossip": vars(self.publisher.stats),
             "training": self.training.stats.snapshot() if self.training else None,
             "download": self.download,
+            "attack": self.config.attack,
+            "history_gossip": self.history.status() if self.history else None,
             "members": self._members(),
             "run_document": self.rundoc.statistics() if self.rundoc else None,
         }

@@ -18,16 +18,29 @@ def replica_index(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
-def check_swarm_algorithm(m: mf.Manifest) -> None:
+ATTACKER_REPLICA = "sybil-attacker"  # every sybil draws the same data: identical models
+
+
+def check_swarm_algorithm(m: mf.Manifest, attack: str | None = None) -> None:
     """DiLoCo needs a group all-reduce every round: it is the baseline of the in-process
     convergence benchmark (testnet/bench), not something a swarm of strangers runs."""
-    if m.outer.algorithm not in ("noloco", "none"):
+    if m.outer.algorithm not in ("noloco", "gossip", "none"):
         raise TrainerSetupError(f"outer.algorithm = {m.outer.algorithm!r} runs only in the "
-                                "convergence benchmark; a swarm runs 'noloco' or 'none'")
+                                "convergence benchmark; a swarm runs 'noloco', 'gossip' or "
+                                "'none'")
+    if attack is not None and (m.model.task != "digits-mlp" or m.outer.algorithm != "gossip"):
+        raise TrainerSetupError("--attack poisons digits: it needs model.task = 'digits-mlp' "
+                                "and outer.algorithm = 'gossip'")
+
+
+def group_size(m: mf.Manifest) -> int:
+    """Peers per exchange group, us included: NoLoCo's group, or us + k neighbours."""
+    return m.aggregate.neighbours + 1 if m.outer.algorithm == "gossip" else m.outer.group_size
 
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,
-                   data: list[str] | None = None, resume: Any = None) -> tuple[Any, Any, int]:
+                   data: list[str] | None = None, resume: Any = None,
+                   attack: str | None = None) -> tuple[Any, Any, int]:
     """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread."""
     from node.optim.noloco import NoLoCo, NoLoCoConfig
     from node.trainer.loop import TrainConfig, Trainer
@@ -45,24 +58,51 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         jsonl_field=m.data.jsonl_field,
         val_fraction=m.data.val_fraction,
         model_factory=m.model.factory or None,
+        label_skew=m.data.label_skew,
+        replica=replica_index(peer_id),
+        attack=attack,
     ))
     t = m.train
     trainer = Trainer(task, TrainConfig(
         lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.total_steps,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, batch_size=t.batch_size,
         eval_every=t.eval_every, eval_batches=t.eval_batches, device=device,
-        threads=t.threads, seed=m.run.seed, replica=replica_index(peer_id),
+        threads=t.threads, seed=m.run.seed,
+        replica=replica_index(ATTACKER_REPLICA if attack else peer_id),
     ))
     if m.outer.algorithm == "none":
         if resume is not None:
             _resume(trainer, None, *resume)
         return trainer, None, m.outer.inner_steps
-    check_swarm_algorithm(m)
+    check_swarm_algorithm(m, attack)
+    if m.outer.algorithm == "gossip":
+        outer = _gossip(m, trainer, peer_id, attack)
+        if resume is not None:
+            _resume(trainer, outer, *resume)
+        return trainer, outer, m.outer.inner_steps
     outer = NoLoCo(trainer.parameters_vector(),
                    NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
     if resume is not None:
         _resume(trainer, outer, *resume)
     return trainer, outer, m.outer.inner_steps
+
+
+def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> Any:
+    """Gossip learning with the manifest's aggregator; an attacker aggregates nothing."""
+    from node.aggregate import make_aggregator
+    from node.optim.gossip import GossipLearning, layout_of
+
+    layout = layout_of(trainer.model)
+    if attack is not None:
+        return GossipLearning(layout, None)
+    params: dict[str, Any] = {}
+    if m.aggregate.method in ("sybilwall", "foolsgold"):
+        # Histories as updates from the shared initial weights (spec §3g: else they telescope
+        # into the models themselves). Every peer's init is the same function of the seed.
+        gl = GossipLearning(layout, None)
+        params["reference"] = {k: v.clone() for k, v in
+                               gl.unflatten(trainer.parameters_vector()).items()}
+    return GossipLearning(layout, make_aggregator(m.aggregate.method, self_id=peer_id, **params))
 
 
 def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:

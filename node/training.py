@@ -48,6 +48,7 @@ class Outcome:
     round: int
     partner_thetas: list[Any]  # flat fp32 vectors; empty = local outer step
     partner: str | None = None
+    peers: tuple[str, ...] = ()  # who sent each of partner_thetas
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def checkpoint_tensors(trainer: Any, outer: Any) -> dict[str, Any]:
         for name, value in trainer.optimizer.state.get(p, {}).items():
             if hasattr(value, "detach"):
                 out[f"adamw/{i}/{name}"] = value.detach().cpu().clone().reshape(-1)
-    if outer is not None:
+    if getattr(outer, "phi", None) is not None:  # NoLoCo's state; gossip learning has none
         out["outer/phi"], out["outer/m"] = outer.phi.clone(), outer.m.clone()
     return out
 
@@ -81,7 +82,7 @@ def restore_checkpoint(trainer: Any, outer: Any, step: int, tensors: dict[str, A
                 state[name] = value.reshape(p.shape) if name != "step" else value.reshape(())
         if len(state) == 3:
             trainer.optimizer.state[p] = state
-    if outer is not None and "outer/phi" in tensors:
+    if getattr(outer, "phi", None) is not None and "outer/phi" in tensors:
         outer.phi.copy_(tensors["outer/phi"])
         outer.m.copy_(tensors["outer/m"])
     trainer.step_count = step
@@ -107,6 +108,8 @@ class TrainingStats:
     bytes_received: int = 0
     params: int = 0
     error: str | None = None
+    val_metrics: dict[str, float] | None = None  # the last evaluation (accuracy, attack rates)
+    aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
 
     def snapshot(self) -> dict[str, Any]:
         wall = max(1e-9, time.monotonic() - self.started_at)
@@ -137,6 +140,7 @@ class TrainingService:
         self.swarm_step = 0
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.outer: Any = None  # the outer optimizer, once the trainer thread has built it
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         send, receive = trio.open_memory_channel[Boundary | Snapshot | BaseException | None](16)
@@ -185,6 +189,7 @@ class TrainingService:
     def _thread_main(self, post: Callable[[Any], None]) -> None:
         try:
             trainer, outer, inner_steps = self._build()
+            self.outer = outer
             self._train(trainer, outer, inner_steps, post)
             post(None)
         except BaseException as e:  # surfaces in the trio task, which logs it
@@ -209,7 +214,7 @@ class TrainingService:
                 log.info("step %d is behind the swarm (%d): continuing from step %d",
                          st.step, self.swarm_step, target)
                 for r in sorted(pending):
-                    self._outer_step(trainer, outer, pending.pop(r), [])
+                    self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
                 trainer.step_count = st.step = target
             t0 = time.perf_counter()
             s = trainer.step()
@@ -217,6 +222,7 @@ class TrainingService:
             st.step, st.loss, st.lr = s.step, s.loss, s.lr
             if s.val_loss is not None:
                 st.val_loss = s.val_loss
+                st.val_metrics = {k: round(v, 4) for k, v in (trainer.last_eval or {}).items()}
                 if st.first_val_loss is None:
                     st.first_val_loss = s.val_loss
             if self.checkpoint_every and s.step % self.checkpoint_every == 0:
@@ -225,7 +231,7 @@ class TrainingService:
                 st.round = s.step // inner_steps
                 # A round whose exchange has not come back by now is closed locally.
                 for r in sorted(pending):
-                    self._outer_step(trainer, outer, pending.pop(r), [])
+                    self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
                     st.rounds_local += 1
                 snapshot = trainer.parameters_vector()
                 pending[st.round] = snapshot
@@ -240,15 +246,18 @@ class TrainingService:
             snapshot = pending.pop(outcome.round, None)
             if snapshot is None:  # too late: that round was already closed locally
                 continue
-            self._outer_step(trainer, outer, snapshot, outcome.partner_thetas)
+            self._outer_step(trainer, outer, snapshot, outcome)
             if outcome.partner_thetas:
                 self.stats.rounds_averaged += 1
                 self.stats.last_partner = outcome.partner
             else:
                 self.stats.rounds_local += 1
 
-    @staticmethod
-    def _outer_step(trainer: Any, outer: Any, snapshot: Any, partners: list[Any]) -> None:
-        phi = outer.outer_step(snapshot, partners)
+    def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
+        phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
+                               round=outcome.round)
         live = trainer.parameters_vector()
         trainer.set_parameters_vector(phi + (live - snapshot))
+        if hasattr(outer, "last_weights") and outcome.partner_thetas:
+            self.stats.aggregation = {"round": outcome.round, "weights": outer.last_weights,
+                                      "rejected": outer.last_rejected}

@@ -55,5 +55,6 @@ async def test_applied_outer_step_keeps_progress_made_since_the_snapshot():
     trainer.step()
     live = trainer.parameters_vector()
     expected_phi = NoLoCo(snapshot, NoLoCoConfig()).outer_step(snapshot, [snapshot + 2.0])
-    TrainingService._outer_step(trainer, outer, snapshot, [snapshot + 2.0])
+    service = TrainingService(build(), exchange=None)
+    service._outer_step(trainer, outer, snapshot, Outcome(1, [snapshot + 2.0], peers=("a",)))
     assert torch.allclose(trainer.parameters_vector(), expected_phi + (live - snapshot), atol=1e-6)

@@ -73,12 +73,18 @@ class NoLoCo:
         self.rounds = 0
 
     def outer_step(
-        self, theta_local: torch.Tensor, group_thetas: Sequence[torch.Tensor] = ()
+        self,
+        theta_local: torch.Tensor,
+        group_thetas: Sequence[torch.Tensor] = (),
+        *,
+        peers: Sequence[str] = (),
+        round: int = 0,
     ) -> torch.Tensor:
         """Average with the group, take the momentum step, and return the new φ.
 
         `theta_local`: this peer's weights after its H inner steps. `group_thetas`: the
-        current weights of the *other* members of its group (empty: a local step). The
+        current weights of the *other* members of its group (empty: a local step); who they
+        are (`peers`) and the `round` do not change NoLoCo's update. The
         return value is the optimizer's own φ: copy it into the model (θ ← φ) and do not
         modify it.
         """
