@@ -57,13 +57,14 @@ class Averager:
     def __init__(self, substrate: Substrate, run_id: str, me: str,
                  members: Callable[[], list[str]], *, codecs: list[str], group_size: int = 2,
                  step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
-                 stats: Any = None, lanes: bool = True) -> None:
+                 stats: Any = None, lanes: bool = True, neighbours: int | None = None) -> None:
         self.substrate = substrate
         self.run_id = run_id
         self.me = me
         self.members = members
         self.codecs = codecs
         self.group_size = group_size
+        self.neighbours = neighbours  # gossip learning: k neighbours instead of groups
         self.step_time = step_time
         self.inner_steps = inner_steps
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
@@ -89,9 +90,12 @@ class Averager:
         return slot
 
     def group(self, r: int) -> list[str]:
-        from node.optim.pairing import group_of
+        """Round r's partners: NoLoCo's group, or gossip learning's k neighbours."""
+        from node.optim.pairing import group_of, neighbours_of
 
         peers = sorted({*self.members(), self.me})
+        if self.neighbours is not None:
+            return neighbours_of(self.me, r, peers, self.neighbours)
         return [p for p in group_of(self.me, r, peers, self.group_size) if p != self.me]
 
     def deadline(self, partner: str, numel: int) -> float:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -50,6 +51,9 @@ from protocols.errors import RemoteProtocolError
 log = logging.getLogger("node")
 
 ADDRS_FILE = "addrs.json"
+
+
+SWITCH_INTERVAL_S = 0.0002
 
 
 def run_key(run_id: str) -> str:
@@ -91,6 +95,12 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         tune_malloc()
+        # The trainer thread holds the GIL between torch ops. With small models (many short
+        # ops) the trio thread then waits up to the switch interval (5 ms by default) after
+        # every socket call, and an exchange of hundreds of them takes seconds (measured:
+        # every exchange of a 7-node digits testnet timed out, heartbeats arrived ~9 s late).
+        # A forced switch costs nothing while trio sleeps in epoll, where it holds no GIL.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             await nursery.start(self.substrate.serve)
@@ -174,7 +184,7 @@ class Node:
 
     async def _start_training(self, nursery: trio.Nursery) -> None:
         from node.averaging import Averager  # imports torch: only nodes that train pay it
-        from node.run_config import build_training, check_swarm_algorithm, group_size
+        from node.run_config import build_training, check_swarm_algorithm, neighbours
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
@@ -188,8 +198,9 @@ class Node:
                 self.substrate, run_id, self.peer_id,
                 members=lambda: [e.peer_id for e in self.peers.live(time.monotonic())
                                  if e.info.get("role") == "node"],
-                codecs=[manifest.outer.codec, "fp32"], group_size=group_size(manifest),
-                step_time=self._step_time, inner_steps=manifest.outer.inner_steps)
+                codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
+                step_time=self._step_time, inner_steps=manifest.outer.inner_steps,
+                neighbours=neighbours(manifest))
         self.training = TrainingService(
             lambda: build_training(manifest, self.peer_id, device, self.config.data,
                                    resume=(self.checkpoints, latest) if latest else None,

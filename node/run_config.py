@@ -33,9 +33,9 @@ def check_swarm_algorithm(m: mf.Manifest, attack: str | None = None) -> None:
                                 "and outer.algorithm = 'gossip'")
 
 
-def group_size(m: mf.Manifest) -> int:
-    """Peers per exchange group, us included: NoLoCo's group, or us + k neighbours."""
-    return m.aggregate.neighbours + 1 if m.outer.algorithm == "gossip" else m.outer.group_size
+def neighbours(m: mf.Manifest) -> int | None:
+    """Gossip learning's k neighbours per round (None: NoLoCo's groups of outer.group_size)."""
+    return m.aggregate.neighbours if m.outer.algorithm == "gossip" else None
 
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,

@@ -247,3 +247,20 @@ def test_noloco_keeps_replica_spread_bounded(digits_task):
     # Measured (torch 2.13 CPU): none grows 0.0034 -> 0.0098; noloco stays in 0.001-0.003.
     assert none[-1] > 2 * none[0]  # left alone, replicas drift apart
     assert max(noloco) < 0.5 * none[-1]  # pairwise averaging keeps them together
+
+
+@pytest.mark.parametrize(("n", "k"), [(7, 3), (20, 4), (20, 1), (5, 2), (3, 3), (50, 5)])
+def test_gossip_neighbours_are_symmetric_about_k_and_agreed_by_everyone(n, k):
+    from node.optim import neighbours_of
+
+    peers = [f"peer-{i:02d}" for i in range(n)]
+    for r in (0, 1, 17):
+        graph = {p: neighbours_of(p, r, list(reversed(peers)), k) for p in peers}
+        for p, ns in graph.items():
+            assert p not in ns
+            assert all(p in graph[q] for q in ns)  # both ends agree on every edge
+            assert 1 <= len(ns) <= (n - 1 if n <= k + 1 else k + (k % 2))
+        mean = sum(map(len, graph.values())) / n
+        assert mean >= min(n - 1, k) * 0.75
+    met = {q for r in range(10) for q in neighbours_of("peer-00", r, peers, k)}
+    assert len(met) > k or n <= k + 1  # the graph changes from round to round

@@ -28,14 +28,19 @@ class AggregateResult:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def validate_incoming(own: State, incoming: Sequence[Incoming]) -> tuple[list[Incoming],
-                                                                         dict[str, str]]:
+def validate_incoming(
+    own: State, incoming: Sequence[Incoming], *, self_id: str | None = None
+) -> tuple[list[Incoming], dict[str, str]]:
     """Split `incoming` into models that match ours tensor for tensor (names, shapes,
     dtypes) with finite values, and the refused ones with the reason. A poisoned or
-    malformed model never reaches the arithmetic."""
+    malformed model never reaches the arithmetic. With `self_id`, a model sent in our own
+    name (or as "self", the key our own weight is reported under) is refused too."""
     accepted: list[Incoming] = []
     rejected: dict[str, str] = {}
     for item in incoming:
+        if item.peer in ("self", self_id):
+            rejected[item.peer] = "a model in our own name"
+            continue
         reason = _problem(own, item.state)
         if reason is None and any(i.peer == item.peer for i in accepted):
             reason = "a second model from the same peer this round"
@@ -65,22 +70,40 @@ def _problem(own: State, state: object) -> str | None:
     return None
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to do arithmetic in: at least fp32 (bf16/fp16 sums lose too much), but
+    fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def copy_state(state: State) -> State:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State:
-    """Σ w_i·state_i / Σ w_i per tensor (float tensors; others are taken from the first)."""
+    """Σ w_i·state_i / Σ w_i per float tensor; non-float tensors (counters) are taken from
+    the first state, which callers make their own model. Σ w_i must be positive."""
     total = float(sum(weights))
+    if not total > 0:
+        raise ValueError(f"weights must sum to a positive number, not {total}")
     out: State = {}
     for name, first in states[0].items():
         if not first.is_floating_point():
-            out[name] = first.clone()
+            out[name] = first.detach().clone()
             continue
-        acc = torch.zeros_like(first, dtype=torch.float32)
+        acc = torch.zeros_like(first, dtype=work_dtype(first.dtype))
         for s, w in zip(states, weights, strict=True):
             if w:
-                acc.add_(s[name].float(), alpha=w / total)
+                acc.add_(s[name].to(acc.dtype), alpha=w / total)
         out[name] = acc.to(first.dtype)
     return out
 
 
 def flat(state: State) -> torch.Tensor:
-    """All float tensors of a state as one fp32 vector, in name order of the state."""
-    return torch.cat([t.reshape(-1).float() for t in state.values() if t.is_floating_point()])
+    """All float tensors of a state as one fp32 vector, in sorted name order: two models
+    with the same names flatten alike whatever their dict order, here and on other peers
+    (gossiped SybilWall histories are compared element by element)."""
+    parts = [
+        state[k].detach().reshape(-1).float() for k in sorted(state) if state[k].is_floating_point()
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0)

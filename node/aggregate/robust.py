@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import AggregateResult, Incoming, State, flat, validate_incoming, weighted_average
+from .base import (
+    AggregateResult,
+    Incoming,
+    State,
+    flat,
+    validate_incoming,
+    weighted_average,
+    work_dtype,
+)
 
 
 class Mean:
@@ -18,7 +26,7 @@ class Mean:
         self.self_id = self_id
 
     def aggregate(self, round: int, own: State, incoming: Sequence[Incoming]) -> AggregateResult:
-        accepted, rejected = validate_incoming(own, incoming)
+        accepted, rejected = validate_incoming(own, incoming, self_id=self.self_id)
         states = [own, *(i.state for i in accepted)]
         share = 1.0 / len(states)
         weights = {"self": share, **{i.peer: share for i in accepted}}
@@ -26,8 +34,10 @@ class Mean:
 
 
 class Median:
-    """Coordinate-wise median of own + received (robust to a minority of outliers per
-    coordinate; with an even count, the lower of the two middle values, as torch does)."""
+    """Coordinate-wise median of own + received: robust while outliers are a minority in
+    every coordinate. With an even count it takes the lower middle value (torch's rule),
+    so the result is always a value some model holds. No model has a weight as such: each
+    gets the 1/n share it has in the vote."""
 
     name = "median"
 
@@ -35,40 +45,60 @@ class Median:
         self.self_id = self_id
 
     def aggregate(self, round: int, own: State, incoming: Sequence[Incoming]) -> AggregateResult:
-        accepted, rejected = validate_incoming(own, incoming)
+        accepted, rejected = validate_incoming(own, incoming, self_id=self.self_id)
         states = [own, *(i.state for i in accepted)]
-        out = {
-            name: torch.stack([s[name].float() for s in states]).median(dim=0).values.to(t.dtype)
-            if t.is_floating_point() else t.clone()
-            for name, t in own.items()
-        }
+        out: State = {}
+        for name, t in own.items():
+            if not t.is_floating_point():
+                out[name] = t.detach().clone()
+                continue
+            stacked = torch.stack([s[name].to(work_dtype(t.dtype)) for s in states])
+            out[name] = stacked.median(dim=0).values.to(t.dtype)
         share = 1.0 / len(states)
-        return AggregateResult(out, {"self": share, **{i.peer: share for i in accepted}},
-                               rejected)
+        return AggregateResult(out, {"self": share, **{i.peer: share for i in accepted}}, rejected)
 
 
 class Krum:
-    """Krum (Blanchard et al. 2017): the model whose n − f − 2 nearest models are closest
-    (sum of squared distances) wins; with `m` > 1, Multi-Krum averages the m best. `f` is
-    the number of byzantine models assumed; by default the most that n > 2f + 2 allows."""
+    """Krum (Blanchard et al. 2017) over own + received: each model's score is the sum of
+    squared distances to its n − f − 2 nearest others; the lowest score wins, and with
+    `m` > 1 (Multi-Krum) the m lowest are averaged. `f` is the number of byzantine models
+    assumed; by default the largest with n > 2f + 2 (Krum's condition), i.e. ⌊(n − 3)/2⌋.
+    Weights: 1/m for each selected model, 0 for the others."""
 
     name = "krum"
 
     def __init__(self, self_id: str, f: int | None = None, m: int = 1) -> None:
-        self.self_id, self.f, self.m = self_id, f, max(1, m)
+        if f is not None and f < 0:
+            raise ValueError(f"f (byzantine models assumed) must be >= 0, not {f}")
+        if m < 1:
+            raise ValueError(f"m (models selected) must be >= 1, not {m}")
+        self.self_id, self.f, self.m = self_id, f, m
 
     def aggregate(self, round: int, own: State, incoming: Sequence[Incoming]) -> AggregateResult:
-        accepted, rejected = validate_incoming(own, incoming)
+        accepted, rejected = validate_incoming(own, incoming, self_id=self.self_id)
         names = ["self", *(i.peer for i in accepted)]
         states = [own, *(i.state for i in accepted)]
+        scores = self.scores(states)
+        best = sorted(range(len(states)), key=lambda i: (scores[i], names[i]))[: self.m]
+        weights = {name: (1.0 / len(best) if i in best else 0.0) for i, name in enumerate(names)}
+        out = weighted_average([states[i] for i in best], [1.0] * len(best))
+        for k, v in own.items():  # non-float tensors (counters) stay ours, not the winner's
+            if not v.is_floating_point():
+                out[k] = v.detach().clone()
+        return AggregateResult(out, weights, rejected)
+
+    def scores(self, states: Sequence[State]) -> list[float]:
+        """Each model's Krum score (lower is more central)."""
         n = len(states)
+        if n == 1:
+            return [0.0]
         f = self.f if self.f is not None else max(0, (n - 3) // 2)
         closest = max(1, n - f - 2)
         vectors = torch.stack([flat(s) for s in states])
-        dist = torch.cdist(vectors, vectors).pow(2)
-        scores = [float(dist[i][torch.arange(n) != i].sort().values[:closest].sum())
-                  if n > 1 else 0.0 for i in range(n)]
-        best = sorted(range(n), key=lambda i: (scores[i], names[i]))[: min(self.m, n)]
-        weights = {name: (1.0 / len(best) if i in best else 0.0) for i, name in enumerate(names)}
-        out = weighted_average([states[i] for i in best], [1.0] * len(best))
-        return AggregateResult(out, weights, rejected)
+        # Differences computed directly (not |a|² + |b|² − 2a·b, which cancels badly for
+        # near-equal models), then squared in fp64.
+        dist = torch.cdist(vectors, vectors, compute_mode="donot_use_mm_for_euclid_dist")
+        dist = dist.double().square()
+        dist.fill_diagonal_(float("inf"))
+        nearest = dist.sort(dim=1).values[:, :closest]
+        return [float(x) for x in nearest.sum(dim=1)]

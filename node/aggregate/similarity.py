@@ -10,38 +10,79 @@ similarity matrix.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-from .base import AggregateResult, Incoming, State, flat, validate_incoming, weighted_average
-from .history import HistoryTable
+from .base import (
+    AggregateResult,
+    Incoming,
+    State,
+    copy_state,
+    validate_incoming,
+    weighted_average,
+)
+from .history import LAMBDA, HistoryTable
+
+SAME = 1e-6  # 1 − cosine below this: identical histories (fp32 holds ~7 digits)
+GRAM_BLOCK = 1 << 22  # elements of all histories stacked at once: bounds the extra memory
 
 
-def similarity_weights(histories: Sequence[torch.Tensor]) -> list[float]:
-    """FoolsGold's weights in [0, 1]: cosine similarity (diagonal removed), pardoning, 1 −
-    the largest similarity, scaled by the largest weight, then the logit step with κ = 1."""
+def cosine_matrix(histories: Sequence[torch.Tensor], block: int = GRAM_BLOCK) -> torch.Tensor:
+    """Pairwise cosine similarity (fp64). A zero history (a peer that has not moved) is
+    similar to nothing rather than NaN. Built column block by column block, so the extra
+    memory is `block` values, not another copy of every history."""
+    m = len(histories)
+    p = histories[0].numel() if m else 0
+    gram = torch.zeros(m, m, dtype=torch.float64)
+    step = max(1, block // max(m, 1))
+    for start in range(0, p, step):
+        block = torch.stack([h.reshape(-1)[start : start + step] for h in histories]).double()
+        gram += block @ block.T
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    denom = norms[:, None] * norms[None, :]
+    cos = torch.where(denom > 0, gram / torch.where(denom > 0, denom, 1.0), 0.0)
+    return cos.clamp(-1.0, 1.0)
+
+
+def similarity_weights(
+    histories: Sequence[torch.Tensor], *, scale_by: int | None = None
+) -> list[float]:
+    """FoolsGold's weight in [0, 1] for each history (spec §3c step 6): S = cosine matrix
+    minus the identity; pardoning; w = clip(1 − max_k S_jk, 0, 1); w / max(w); then the
+    logit clip(ln(w / (1 − w)) + 0.5, 0, 1) with κ = 1, ±inf clipped. All zeros when every
+    history has a twin (nothing to trust).
+
+    `scale_by=k` divides by the largest of the first k weights only (the models about to be
+    aggregated; SybilWall's departure, see its docstring); the rest still shape the matrix,
+    and any of theirs above that maximum count as 1. None: the spec's max over all."""
     n = len(histories)
     if n == 0:
         return []
-    h = torch.stack([v.float() for v in histories])
-    norms = h.norm(dim=1, keepdim=True)
-    unit = torch.where(norms > 0, h / norms.clamp_min(1e-30), torch.zeros_like(h))
-    sim = (unit @ unit.T).double()
+    if n == 1:
+        return [1.0]  # nothing to compare with: FoolsGold cannot accuse a lone history
+    sim = cosine_matrix(histories)
     sim.fill_diagonal_(0.0)
-    top = sim.max(dim=1).values if n > 1 else torch.zeros(1, dtype=torch.float64)
-    # Pardoning: an honest peer that happens to resemble a sybil is forgiven in proportion.
+    # The zeroed diagonal takes part in the max, so every s_j >= 0 and the pardoning
+    # factor s_j / s_k lies in [0, 1): an honest peer that happens to resemble a sybil
+    # (s_j < s_k) is forgiven in proportion; sybils (s_j = s_k ≈ 1) are not.
+    top = sim.max(dim=1).values
     row, col = top[:, None], top[None, :]
-    pardon = (row < col) & (col > 0)
-    sim = torch.where(pardon, sim * row / torch.where(col > 0, col, 1.0), sim)
-    w = (1 - sim.max(dim=1).values if n > 1 else torch.ones(1, dtype=torch.float64)).clamp(0, 1)
-    if float(w.max()) <= 0:
+    pardon = row < col
+    sim = torch.where(pardon, sim * row / torch.where(pardon, col, 1.0), sim)
+    w = (1.0 - sim.max(dim=1).values).clamp(0.0, 1.0)
+    # Twins' cosine comes out as 1 − 1e-16 or so; w / max(w) would blow that rounding up
+    # to full weight when every history has a twin. Below fp32 resolution is identical.
+    w = torch.where(w < SAME, 0.0, w)
+    scaled = w if scale_by is None else w[: max(scale_by, 0)]
+    top_w = float(scaled.max()) if scaled.numel() else 0.0
+    if not top_w > 0:
         return [0.0] * n
-    w = w / w.max()
-    with torch.no_grad():
-        logit = torch.log(w / (1 - w)) + 0.5  # ±inf for w = 1 or 0: clipped just below
-    logit = torch.nan_to_num(logit, nan=0.0, posinf=1.0, neginf=0.0)
-    return [float(x) for x in logit.clamp(0, 1)]
+    w = (w / top_w).clamp(max=1.0)
+    logit = torch.log(w / (1.0 - w)) + 0.5  # w = 1 gives +inf, w = 0 gives -inf
+    logit = torch.nan_to_num(logit, nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
+    return [float(x) for x in logit]
 
 
 class SybilWall:
@@ -53,36 +94,70 @@ class SybilWall:
     N + M + 1 scores, then zips only N + 1 models with them, so the own model gets the first
     distant peer's score and the weights used sum to less than 1. Here the distant scores
     inform the matrix and are then dropped.
+
+    One deliberate departure from spec §3c step 6: the weights are scaled by the largest
+    *neighbour* weight, not the largest over every history. Measured (`node bench robust`,
+    20 honest peers, Dirichlet 0.1): scaled over everything, a stale gossiped history from
+    round 0 held the largest weight for the whole run, every current honest neighbour fell
+    below it, the logit step zeroed them, and honest peers kept 2/3 of the weight on their
+    own model: 45% accuracy without any attacker against 87% for the mean. Scaled over the
+    neighbours the sybils still score 0 (their twins are in the matrix) and honest peers
+    keep learning from each other.
     """
 
     name = "sybilwall"
     gossip = True
 
-    def __init__(self, self_id: str, reference: State | None = None, **table_args: int) -> None:
+    def __init__(
+        self,
+        self_id: str,
+        reference: State | None = None,
+        *,
+        max_distance: int = 8,
+        max_peers: int = 1024,
+        max_per_sender_per_round: int = 4,
+        lam: float = LAMBDA,
+    ) -> None:
         self.self_id = self_id
-        self.reference = flat(reference) if reference is not None else None
-        self.history = HistoryTable(self_id, **table_args)
+        self.history = HistoryTable(
+            self_id,
+            reference=reference,
+            max_distance=max_distance,
+            max_peers=max_peers,
+            max_per_sender_per_round=max_per_sender_per_round,
+            lam=lam,
+        )
+        # Every scored peer's raw score in the last round, gossiped ones too (for status).
+        self.last_scores: dict[str, float] = {}
 
     def aggregate(self, round: int, own: State, incoming: Sequence[Incoming]) -> AggregateResult:
-        accepted, rejected = validate_incoming(own, incoming)
+        accepted, rejected = validate_incoming(own, incoming, self_id=self.self_id)
+        ref = self.history.reference
+        size = sum(t.numel() for t in own.values() if t.is_floating_point())
+        if ref is not None and ref.numel() != size:
+            raise ValueError(
+                f"reference of {ref.numel()} values for a model of {size}: not the same model"
+            )
         self.history.begin_round(round)
         for item in accepted:
-            h = flat(item.state)
-            if self.reference is not None and self.reference.numel() == h.numel():
-                h = h - self.reference  # updates, not models: the history must not telescope
-            self.history.observe_direct(item.peer, round, h)
+            self.history.observe_direct(item.peer, round, item.state)
         if not accepted:
-            return AggregateResult({k: v.clone() for k, v in own.items()}, {"self": 1.0},
-                                   rejected)
+            self.last_scores = {}
+            return AggregateResult(copy_state(own), {"self": 1.0}, rejected)
         neighbours = [i.peer for i in accepted]
-        scored = neighbours + ([p for p in self.history.entries
-                                if p not in neighbours and p != self.self_id]
-                               if self.gossip else [])
-        scores = similarity_weights([self.history.entries[p].vector for p in scored])
+        direct = {*neighbours, self.self_id}
+        others = [p for p in self.history.entries if p not in direct] if self.gossip else []
+        scored = neighbours + others
+        scores = similarity_weights(
+            [self.history.entries[p].vector for p in scored], scale_by=len(neighbours)
+        )
+        self.last_scores = dict(zip(scored, scores, strict=True))
+        # Our own model weighs 1; only the N neighbours' scores join it (not the gossiped
+        # peers', whose models we do not have), and N + 1 weights are renormalised.
         raw = [1.0, *scores[: len(neighbours)]]
-        total = sum(raw)
-        weights = {"self": raw[0] / total,
-                   **{p: w / total for p, w in zip(neighbours, raw[1:], strict=True)}}
+        total = math.fsum(raw)
+        weights = {"self": raw[0] / total}
+        weights.update({p: w / total for p, w in zip(neighbours, raw[1:], strict=True)})
         states = [own, *(i.state for i in accepted)]
         return AggregateResult(weighted_average(states, raw), weights, rejected)
 

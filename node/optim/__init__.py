@@ -7,7 +7,7 @@ simulator and tests call these directly. Vectors are laid out as
 
 from .diloco import DiLoCo, DiLoCoConfig, diloco_update
 from .noloco import NoLoCo, NoLoCoConfig, noloco_update
-from .pairing import group_of, noloco_groups, partner_of, permutation
+from .pairing import group_of, neighbours_of, noloco_groups, partner_of, permutation
 
 __all__ = [
     "DiLoCo",
@@ -16,6 +16,7 @@ __all__ = [
     "NoLoCoConfig",
     "diloco_update",
     "group_of",
+    "neighbours_of",
     "noloco_groups",
     "noloco_update",
     "partner_of",

@@ -63,11 +63,13 @@ def _check(round: int, peers: Sequence[str], group_size: int) -> list[str]:
     return ids
 
 
-def permutation(round: int, peers: Sequence[str]) -> list[int]:
-    """The shared permutation of the sorted peer ids for this round (indices into them)."""
+def permutation(round: int, peers: Sequence[str], salt: int = 0) -> list[int]:
+    """The shared permutation of the sorted peer ids for this round (indices into them);
+    `salt` > 0 draws further independent permutations of the same round."""
     ids = _check(round, peers, 1)
     seed = hashlib.sha256(
         _DOMAIN
+        + (b"salt" + salt.to_bytes(4, "big") if salt else b"")
         + round.to_bytes(8, "big")
         + b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in ids)
     ).digest()
@@ -104,3 +106,31 @@ def partner_of(me: str, round: int, peers: Sequence[str], group_size: int = 2) -
     """The other members of `me`'s group: usually one partner, two in an odd-sized view's
     group of three, none when `me` is alone (then the outer step is a local step)."""
     return [p for p in group_of(me, round, peers, group_size) if p != me]
+
+
+def neighbours_of(me: str, round: int, peers: Sequence[str], k: int) -> list[str]:
+    """Gossip learning's k neighbours of `me` this round, a symmetric relation (if b is a's
+    neighbour, a is b's), from (round, set of peers) alone like the groups above.
+
+    Each of k // 2 independent random rings gives its two ring neighbours; an odd k adds
+    the partner of a random pairing (NoLoCo's groups of 2). Unlike one group of k + 1,
+    every peer talks to about k others however large the swarm: with 7 peers and k = 3,
+    groups would put all 7 in one group of 6 exchanges each. Overlapping rings can give a
+    peer fewer than k distinct neighbours; n <= k + 1 gives everyone else.
+    """
+    ids = _check(round, peers, 1)
+    if me not in ids:
+        raise ValueError(f"{me!r} is not among the peers")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if len(ids) <= k + 1:
+        return [p for p in ids if p != me]
+    out: set[str] = set()
+    for ring in range(1, k // 2 + 1):
+        order = [ids[i] for i in permutation(round, ids, salt=ring)]
+        at = order.index(me)
+        out.update((order[at - 1], order[(at + 1) % len(order)]))
+    if k % 2:
+        out.update(partner_of(me, round, ids, 2))
+    out.discard(me)
+    return sorted(out)
