@@ -207,6 +207,7 @@ class Node:
                                    attack=self.config.attack),
             exchange=self._exchange if self.averager else None,
             checkpoint_every=manifest.checkpoint.every_steps, on_snapshot=self._save_checkpoint,
+            replay_to_align=self.config.attack is not None,
         )
         if self.averager is not None:
             self.averager.stats = self.training.stats

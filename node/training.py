@@ -143,7 +143,8 @@ class TrainingService:
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
                  max_steps: int | None = None, checkpoint_every: int = 0,
-                 on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None) -> None:
+                 on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None,
+                 replay_to_align: bool = False) -> None:
         # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
         # No outer optimizer: the no-communication baseline, plain local training.
         self._build = build
@@ -151,6 +152,10 @@ class TrainingService:
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
         self._on_snapshot = on_snapshot
+        # Catch up with the swarm by training the skipped steps instead of skipping them: a
+        # testnet attacker's sybils then stay bit-identical (same stream, same steps), as one
+        # attacker's identities sending one model would be.
+        self.replay_to_align = replay_to_align
         self.stats = TrainingStats()
         # Highest step a live peer reported (set from the trio thread on each heartbeat).
         # A node that is a round or more behind jumps to the swarm's round: pairing only
@@ -234,6 +239,9 @@ class TrainingService:
                          st.step, self.swarm_step, target)
                 for r in sorted(pending):
                     self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
+                if self.replay_to_align:
+                    while trainer.step_count < target and not self._stop.is_set():
+                        trainer.step()
                 trainer.step_count = st.step = target
             t0 = time.perf_counter()
             s = trainer.step()
@@ -275,6 +283,8 @@ class TrainingService:
     def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
         phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
                                round=outcome.round)
+        if phi is None:  # the outer step keeps the model as it is (a testnet attacker)
+            return
         live = trainer.parameters_vector()
         trainer.set_parameters_vector(phi + (live - snapshot))
         if hasattr(outer, "last_weights") and outcome.partner_thetas:

@@ -60,10 +60,13 @@ class GossipLearning:
         *,
         peers: Sequence[str] = (),
         round: int = 0,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The new model for round `round`, given our θ and the `partners`' θs from `peers`
-        (aligned; unknown peers are named by position)."""
-        if self.aggregator is None or not partners:
+        (aligned; unknown peers are named by position). None: keep the model untouched (an
+        attacker, which ignores what it receives; even θ + (θ_now − θ) would round)."""
+        if self.aggregator is None:
+            return None
+        if not partners:
             return theta.clone()
         from node.aggregate import Incoming
 
