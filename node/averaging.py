@@ -270,7 +270,7 @@ class Averager:
         return ex.received_vector()
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
-        return await pump(stream, ex.next_event, ex.receive_data)
+        return await pump(stream, ex.next_event, ex.receive_data, into=ex)
 
 
 def _listen_host(substrate: Substrate) -> str:

@@ -2,6 +2,12 @@
 
 The averaging adapter swaps a `LaneStream` in for the libp2p stream once the partner has
 accepted, so the same pump and writers serve both paths.
+
+Both directions of a 100 MB exchange run on the same few cores as the training, so the lane
+costs as little CPU per byte as it can (measured in docs/benchmarks.md, "exchange"): each
+record is received with `recv_into` into one buffer per lane and opened (`read_into`)
+straight into the memory the decoder names, for fp32 the receive vector; records are sealed
+into another buffer and sent with one `send_all`. Nothing is allocated per record.
 """
 
 from __future__ import annotations
@@ -11,9 +17,17 @@ import secrets
 import trio
 
 from protocols.errors import RemoteProtocolError
-from protocols.lane import KEY_BYTES, MAX_PLAINTEXT, Opener, Sealer
+from protocols.lane import (
+    HEADER_BYTES,
+    KEY_BYTES,
+    MAX_PLAINTEXT,
+    MAX_RECORD,
+    TAG_BYTES,
+    Opener,
+    Sealer,
+)
 
-HELLO = b"peertrain-lane-1"
+HELLO = b"peertrain-lane-2"
 INITIATOR, RESPONDER = 0, 1
 
 
@@ -24,35 +38,64 @@ class LaneStream:
         self._stream = stream
         self._sealer = Sealer(key, me)
         self._opener = Opener(key, 1 - me)
-        self._pending = bytearray()
+        # One buffer each way, reused for every record (see the module doc).
+        self._out = bytearray(HEADER_BYTES + MAX_RECORD)
+        self._record = memoryview(bytearray(MAX_RECORD))
+        self._plain = memoryview(bytearray(MAX_PLAINTEXT))
 
-    async def _exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            chunk = await self._stream.receive_some(min(n - got, 1 << 20))
-            if not chunk:
-                raise RemoteProtocolError("lane closed in the middle of a record")
-            view[got:got + len(chunk)] = chunk
-            got += len(chunk)
-        return buf
+    async def _fill(self, view: memoryview) -> int:
+        """Receive into all of `view`; return how much arrived before a clean EOF."""
+        sock, got = self._stream.socket, 0
+        while got < len(view):
+            try:
+                n = await sock.recv_into(view[got:])
+            except OSError as exc:  # as trio's receive_some would say it
+                raise trio.BrokenResourceError(f"lane: {exc}") from exc
+            if not n:
+                break
+            got += n
+        return got
 
-    async def read(self, n: int = -1) -> bytes:
-        """The next opened record's plaintext (b"" at a clean end of stream)."""
-        header = await self._stream.receive_some(4)
-        if not header:
+    async def read(self, n: int = -1) -> memoryview | bytes:
+        """The next opened record's plaintext (b"" at a clean end of stream).
+
+        The view is of a buffer the next read() reuses: use or copy it before then (the
+        pump feeds it to a decoder, which copies it at once).
+        """
+        record = await self._next_record()
+        if record is None:
             return b""
-        if len(header) < 4:
-            header += await self._exactly(4 - len(header))
-        record = await self._exactly(Opener.check_length(header))
-        return self._opener.open(record)
+        return self._plain[: self._opener.open_into(record, self._plain)]
+
+    async def _next_record(self) -> memoryview | None:
+        """The next sealed record, received whole (None at a clean end of stream)."""
+        header = self._record[:HEADER_BYTES]
+        got = await self._fill(header)
+        if got == 0:
+            return None
+        if got < HEADER_BYTES:
+            raise RemoteProtocolError("lane closed in the middle of a record")
+        record = self._record[: Opener.check_length(header)]
+        if await self._fill(record) < len(record):
+            raise RemoteProtocolError("lane closed in the middle of a record")
+        return record
+
+    async def read_into(self, buffer: memoryview) -> int | memoryview | bytes:
+        """The next record opened into `buffer` if its plaintext fits there: then how many
+        bytes it wrote (an int). Otherwise what read() returns (b"" at a clean end)."""
+        record = await self._next_record()
+        if record is None:
+            return b""
+        if len(record) - TAG_BYTES <= len(buffer):
+            return self._opener.open_into(record, buffer)
+        return self._plain[: self._opener.open_into(record, self._plain)]
 
     async def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
+        out = memoryview(self._out)
         for start in range(0, len(view), MAX_PLAINTEXT):
-            header, sealed = self._sealer.seal_parts(view[start:start + MAX_PLAINTEXT])
-            await self._stream.send_all(header)
-            await self._stream.send_all(sealed)
+            size = self._sealer.seal_into(view[start:start + MAX_PLAINTEXT], out)
+            await self._stream.send_all(out[:size])
 
     async def close(self) -> None:
         await self._stream.aclose()

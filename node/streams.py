@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from libp2p.abc import INetStream
@@ -15,20 +15,41 @@ from protocols.wire import NEED_DATA, Envelope, FrameDecoder, TensorFrame
 READ_SIZE = 1 << 20
 
 
+class InPlace(Protocol):
+    """A core that can take bytes written straight into its memory (FrameDecoder,
+    averaging.Exchange): see FrameDecoder.receive_buffer."""
+
+    def receive_buffer(self) -> memoryview | None: ...
+
+    def received_into(self, n: int) -> None: ...
+
+
 async def pump(stream: INetStream, next_event: Callable[[], Any],
-               feed: Callable[[bytes], None]) -> Any:
+               feed: Callable[[bytes], None], into: InPlace | None = None) -> Any:
     """Read from `stream` into a sans-IO core until it yields an event (not NEED_DATA).
+
+    With `into` (the core) and a stream that has `read_into` (node/lane.LaneStream),
+    whatever lands where the core wants it (a tensor payload: for fp32 the receive vector
+    itself) is opened there, not copied in by `feed`.
 
     EOF in the middle of a message is the peer's fault: RemoteProtocolError.
     """
+    read_into = getattr(stream, "read_into", None) if into is not None else None
     while True:
         event = next_event()
         if event is not NEED_DATA:
             return event
-        try:
-            data = await stream.read(READ_SIZE)
-        except StreamEOF:
-            data = b""
+        buffer = into.receive_buffer() if read_into is not None else None
+        if buffer is not None:
+            data = await read_into(buffer)
+            if type(data) is int:  # that many bytes are in place
+                into.received_into(data)
+                continue
+        else:
+            try:
+                data = await stream.read(READ_SIZE)
+            except StreamEOF:
+                data = b""
         if not data:
             raise RemoteProtocolError("stream ended in the middle of a message")
         feed(data)

@@ -180,7 +180,44 @@ def decode(
     anything is allocated, and NaN/Inf values are refused: RemoteProtocolError otherwise.
     With `out` (a contiguous float32 vector of `numel` values) the values are written there
     and `out` is returned; after an error it may hold partial values, to be discarded.
+    An fp32 payload that already lies in `out`'s memory (received straight into it) is
+    only checked, not copied.
     """
+    if out is not None and (
+        out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()
+    ):
+        raise LocalProtocolError(f"out must be a contiguous float32 vector of {numel} values")
+    view = _byte_view(payload)
+    check_header(codec, dtype, shape, view.nbytes, numel)
+    if codec.endswith("+zstd"):
+        raw = _unzstd(view, numel * _ITEMSIZE[dtype])
+    else:
+        raw = np.frombuffer(view, dtype=np.uint8)  # a view of the payload, no copy
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    values = out.numpy()
+    with np.errstate(all="ignore"):  # huge scales may overflow to inf: refused just below
+        if dtype == "int8":
+            _int8_decode(raw, numel, values)
+        elif codec.endswith("+zstd"):
+            _unshuffle_into(raw, dtype, numel, out)
+        elif dtype == "bfloat16":
+            out.copy_(_bf16(raw, numel))
+        elif numel and raw.ctypes.data != values.ctypes.data:  # else it was received in place
+            values[:] = raw.view(np.float32)
+    # numpy's isfinite is exact and, on 1M values, ~10x faster than torch's (or torch's
+    # sum, which the NaN check used to be): both pay a thread-pool wake-up per call.
+    if numel and not np.isfinite(values).all():
+        raise RemoteProtocolError(f"received {codec} vector contains NaN/Inf")
+    return out
+
+
+def check_header(codec: str, dtype: str, shape: Sequence[int], nbytes: int, numel: int) -> None:
+    """What `decode` checks before touching the payload: the peer's `codec`, `dtype`, `shape`
+    and payload size `nbytes` must describe `numel` values (RemoteProtocolError otherwise).
+    Callers run it on a tensor header, before the payload arrives."""
+    if type(numel) is not int or numel < 0:
+        raise LocalProtocolError(f"numel must be an int >= 0, not {numel!r}")
     if type(codec) is not str or codec not in _DTYPE:
         raise RemoteProtocolError(f"unknown codec {_short(codec)} (known: {list(CODECS)})")
     if dtype != _DTYPE[codec]:
@@ -194,44 +231,15 @@ def decode(
         or shape[0] != numel
     ):
         raise RemoteProtocolError(f"expected shape [{numel}], got {_short(shape)}")
-    if out is not None and (
-        out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()
-    ):
-        raise LocalProtocolError(f"out must be a contiguous float32 vector of {numel} values")
-    if type(numel) is not int or numel < 0:
-        raise LocalProtocolError(f"numel must be an int >= 0, not {numel!r}")
-    view = _byte_view(payload)
     size = max_encoded_size(codec, numel)
     if codec.endswith("+zstd"):
-        if view.nbytes > size:
+        if nbytes > size:
             raise RemoteProtocolError(
-                f"{codec} payload of {view.nbytes} bytes is over the {size} that {numel}"
+                f"{codec} payload of {nbytes} bytes is over the {size} that {numel}"
                 " values can compress to"
             )
-        raw = _unzstd(view, numel * _ITEMSIZE[dtype])
-    elif view.nbytes != size:
-        raise RemoteProtocolError(
-            f"{codec} payload of {view.nbytes} bytes; {numel} values take {size}"
-        )
-    else:
-        raw = np.frombuffer(view, dtype=np.uint8)  # a view of the payload, no copy
-    if out is None:
-        out = torch.empty(numel, dtype=torch.float32)
-    values = out.numpy()
-    with np.errstate(all="ignore"):  # huge scales may overflow to inf: refused just below
-        if dtype == "int8":
-            _int8_decode(raw, numel, values)
-        elif codec.endswith("+zstd"):
-            _unshuffle_into(raw, dtype, numel, out)
-        elif dtype == "bfloat16":
-            out.copy_(_bf16(raw, numel))
-        else:
-            values[:] = raw.view(np.float32)
-    # numpy's isfinite is exact and, on 1M values, ~10x faster than torch's (or torch's
-    # sum, which the NaN check used to be): both pay a thread-pool wake-up per call.
-    if numel and not np.isfinite(values).all():
-        raise RemoteProtocolError(f"received {codec} vector contains NaN/Inf")
-    return out
+    elif nbytes != size:
+        raise RemoteProtocolError(f"{codec} payload of {nbytes} bytes; {numel} values take {size}")
 
 
 def _unzstd(view: memoryview, expected: int) -> np.ndarray:

@@ -10,7 +10,14 @@ Every protocol module speaks through these frames; docs/wire.md is the full spec
 
 Tensor payloads stay outside msgpack so that neither side copies them through it: the
 sender writes straight from the tensor's memory (`encode_tensor_frame` returns a gather
-list), the receiver fills one preallocated buffer of the announced size.
+list), the receiver fills one preallocated buffer of the announced size, its own or one the
+caller names per header (`FrameDecoder.payload_buffer`, e.g. a slice of the final vector).
+
+The crc32 catches corruption and framing bugs, not forgery: the secure channel
+authenticates the stream. On a transport that authenticates every record itself (the
+AES-GCM bulk lane, protocols/lane.py) the crc32 adds nothing but a pass over the bytes on
+each side, so a header there may leave it out: a decoder built with
+`require_crc32=False` accepts that, and still checks a crc32 that is present.
 
 Limits. `FrameDecoder` takes them as arguments and checks each before allocating:
 `max_frame_bytes` (1 MiB) bounds an envelope and is checked on the 4-byte prefix alone;
@@ -23,8 +30,6 @@ str or bytes. A "raw" payload must be exactly prod(shape) * itemsize bytes.
 Errors (protocols/errors.py): `RemoteProtocolError` when the peer's bytes are refused (the
 decoder is then dead: close the stream); `LocalProtocolError` when we misuse the API. Any
 other exception out of `FrameDecoder` is a bug (tests/test_wire.py fuzzes for it).
-The crc32 catches corruption and framing bugs, not forgery: the secure channel
-authenticates the stream.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import msgpack
 from protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:  # torch is imported lazily: framing works without it
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -78,6 +83,7 @@ DTYPES: Final = MappingProxyType(
 _PREFIX = struct.Struct(">I")
 _ENVELOPE_KEYS = frozenset({"v", "t", "id", "b"})
 _HEADER_KEYS = frozenset({"name", "dtype", "shape", "codec", "length", "crc32"})
+_HEADER_KEYS_NO_CRC = _HEADER_KEYS - {"crc32"}
 
 
 class _NeedData(enum.Enum):
@@ -105,7 +111,8 @@ class Envelope:
 class TensorHeader:
     """What a tensor frame announces before its payload; checked before anything is allocated.
 
-    `length` is the payload's size on the wire (after `codec`), `crc32` is zlib.crc32 of it.
+    `length` is the payload's size on the wire (after `codec`), `crc32` is zlib.crc32 of it,
+    or None where the header leaves it out (an authenticated transport: see the module doc).
     """
 
     name: str
@@ -113,15 +120,16 @@ class TensorHeader:
     shape: tuple[int, ...]
     codec: str
     length: int
-    crc32: int
+    crc32: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class TensorFrame:
-    """A received tensor: its header and the payload, checksum verified.
+    """A received tensor: its header and the payload, checksum verified (if it had one).
 
-    `payload` views a buffer that belongs to this event alone (the decoder keeps no
-    reference), so it may be wrapped without copying.
+    `payload` views the buffer it was received into: the decoder's own, which belongs to
+    this event alone (the decoder keeps no reference) and may be wrapped without copying,
+    or the one `FrameDecoder.payload_buffer` named for it.
     """
 
     header: TensorHeader
@@ -158,15 +166,27 @@ def encode_envelope(env: Envelope, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_B
 
 
 def make_tensor_header(
-    name: str, dtype: str, shape: Sequence[int], codec: str, payload: bytes | memoryview
+    name: str,
+    dtype: str,
+    shape: Sequence[int],
+    codec: str,
+    payload: bytes | memoryview,
+    *,
+    crc32: bool = True,
 ) -> TensorHeader:
-    """The header for `payload`: its length and crc32 computed here, every field checked."""
+    """The header for `payload`: its length and crc32 computed here, every field checked.
+
+    `crc32=False` leaves the checksum out (and skips its pass over the payload): only for a
+    transport that authenticates every byte, whose receiver is built with
+    `require_crc32=False`; any other receiver refuses such a header.
+    """
     view = _byte_view(payload)
     try:
         shape = tuple(shape)
     except TypeError:
         raise LocalProtocolError(f"shape must be a sequence of ints, not {shape!r}") from None
-    header = TensorHeader(name, dtype, shape, codec, view.nbytes, zlib.crc32(view))
+    crc = zlib.crc32(view) if crc32 else None
+    header = TensorHeader(name, dtype, shape, codec, view.nbytes, crc)
     problem = _header_problem(name, dtype, shape, codec, header.length, header.crc32)
     if problem:
         raise LocalProtocolError(problem)
@@ -202,8 +222,9 @@ def encode_tensor_frame(
         "shape": list(header.shape),
         "codec": header.codec,
         "length": header.length,
-        "crc32": header.crc32,
     }
+    if header.crc32 is not None:
+        body["crc32"] = header.crc32
     return [_frame(WIRE_VERSION, TENSOR_TYPE, id, body, max_frame_bytes), view]
 
 
@@ -225,17 +246,18 @@ def _frame(version: int, type_: str, id_: int, body: Any, max_frame_bytes: int) 
 
 class _Payload:
     """A tensor payload being received: the one allocation sized by the peer, made only
-    after its header passed every check."""
+    after its header passed every check (or the caller's buffer, see payload_buffer)."""
 
-    __slots__ = ("buffer", "crc", "filled", "header", "id")
+    __slots__ = ("buffer", "check_crc", "crc", "filled", "header", "id")
 
-    def __init__(self, header: TensorHeader, id_: int) -> None:
+    def __init__(self, header: TensorHeader, id_: int, buffer: memoryview | None) -> None:
         self.header = header
         self.id = id_
         # bytearray(n) is calloc'd: pages are touched only as the payload arrives.
-        self.buffer = memoryview(bytearray(header.length))
+        self.buffer = memoryview(bytearray(header.length)) if buffer is None else buffer
         self.filled = 0
         self.crc = 0
+        self.check_crc = header.crc32 is not None
 
     def fill(self, data: memoryview) -> int:
         """Copy what fits from `data`; return how many bytes were taken."""
@@ -243,9 +265,16 @@ class _Payload:
         if n:
             chunk = data[:n]
             self.buffer[self.filled : self.filled + n] = chunk
-            self.crc = zlib.crc32(chunk, self.crc)  # while the chunk is still in cache
+            if self.check_crc:
+                self.crc = zlib.crc32(chunk, self.crc)  # while the chunk is still in cache
             self.filled += n
         return n
+
+    def written(self, n: int) -> None:
+        """`n` bytes were written in place after the filled part (receive_buffer)."""
+        if self.check_crc:
+            self.crc = zlib.crc32(self.buffer[self.filled : self.filled + n], self.crc)
+        self.filled += n
 
     @property
     def complete(self) -> bool:
@@ -262,6 +291,15 @@ class FrameDecoder:
     Memory: an incomplete envelope is never waited for beyond max_frame_bytes + 4 bytes;
     a payload is received into one buffer of exactly its announced length. Apart from that,
     the decoder holds only what was fed and not yet returned as events.
+
+    `require_crc32=False` is for a transport that authenticates every byte (the AES-GCM
+    lane): a tensor header may then leave out its crc32. A crc32 that is present is checked.
+
+    `payload_buffer`, if set, is called with each tensor header once it has passed every
+    check, before any of its payload is buffered. It returns a writable, contiguous byte
+    memoryview of exactly `header.length` bytes to receive the payload into (say, the slot
+    of a preallocated vector, so that nothing is copied twice), or None for a buffer of the
+    decoder's own. It may raise RemoteProtocolError to refuse the frame on its header.
     """
 
     def __init__(
@@ -269,6 +307,9 @@ class FrameDecoder:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         allowed_codecs: frozenset[str] = DEFAULT_CODECS,
+        *,
+        require_crc32: bool = True,
+        payload_buffer: Callable[[TensorHeader], memoryview | None] | None = None,
     ) -> None:
         if type(max_frame_bytes) is not int or not 1 <= max_frame_bytes < 2**32:
             raise LocalProtocolError(
@@ -284,6 +325,8 @@ class FrameDecoder:
         self.max_frame_bytes = max_frame_bytes
         self.max_tensor_bytes = max_tensor_bytes
         self.allowed_codecs = codecs
+        self.require_crc32 = bool(require_crc32)
+        self.payload_buffer = payload_buffer
         self._buffer = bytearray()  # fed bytes not yet consumed
         self._payload: _Payload | None = None  # set between a tensor header and its last byte
         self._error: ProtocolError | None = None
@@ -301,6 +344,32 @@ class FrameDecoder:
             view = view[self._payload.fill(view) :]
         if view:
             self._buffer += view
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where the stream's next bytes may be written in place, or None.
+
+        While a tensor payload is arriving and nothing else is buffered, this is the rest
+        of its buffer. A reader that can fill memory itself (`recv_into`, an AEAD's
+        `decrypt_into`) writes up to len() bytes at its start and then calls
+        `received_into(n)` instead of `feed`: the bytes are never copied. At any other
+        time (None), `feed` as usual.
+        """
+        payload = self._payload
+        if payload is None or self._buffer or self._error is not None:
+            return None
+        return payload.buffer[payload.filled :]
+
+    def received_into(self, n: int) -> None:
+        """`n` bytes were written at the start of the last `receive_buffer()`."""
+        self._check_alive()
+        payload = self._payload
+        if payload is None or self._buffer:
+            raise LocalProtocolError("received_into() without a receive_buffer() to fill")
+        if type(n) is not int or not 0 <= n <= len(payload.buffer) - payload.filled:
+            raise LocalProtocolError(f"received_into({n!r}): the buffer had room for "
+                                     f"{len(payload.buffer) - payload.filled} bytes")
+        payload.written(n)
+        self._bytes_in += n
 
     def next_event(self) -> Envelope | TensorFrame | Literal[_NeedData.NEED_DATA]:
         """The next complete event, or `NEED_DATA`."""
@@ -342,7 +411,8 @@ class FrameDecoder:
         type_, id_, body = _parse_envelope(_unpack(frame))
         if type_ != TENSOR_TYPE:
             return Envelope(type_, id_, body)
-        self._payload = _Payload(self._parse_header(body), id_)
+        header = self._parse_header(body)
+        self._payload = _Payload(header, id_, self._caller_buffer(header))
         return self._continue_payload()
 
     def _continue_payload(self) -> TensorFrame | Literal[_NeedData.NEED_DATA]:
@@ -355,21 +425,45 @@ class FrameDecoder:
         if not payload.complete:
             return NEED_DATA
         self._payload = None
-        if payload.crc != payload.header.crc32:
+        if payload.check_crc and payload.crc != payload.header.crc32:
             raise RemoteProtocolError(
                 f"tensor {payload.header.name!r}: crc32 {payload.crc:#010x} does not match"
                 f" the header's {payload.header.crc32:#010x}"
             )
         return TensorFrame(payload.header, payload.buffer, payload.id)
 
+    def _caller_buffer(self, header: TensorHeader) -> memoryview | None:
+        if self.payload_buffer is None:
+            return None
+        buffer = self.payload_buffer(header)
+        if buffer is not None and (
+            type(buffer) is not memoryview
+            or buffer.readonly
+            or buffer.format != "B"
+            or buffer.ndim != 1
+            or buffer.nbytes != header.length
+        ):
+            raise LocalProtocolError(
+                f"payload_buffer must return a writable byte memoryview of {header.length}"
+                " bytes, or None"
+            )
+        return buffer
+
     def _parse_header(self, body: Any) -> TensorHeader:
-        if type(body) is not dict or body.keys() != _HEADER_KEYS:
+        if type(body) is not dict or (
+            body.keys() != _HEADER_KEYS
+            and (self.require_crc32 or body.keys() != _HEADER_KEYS_NO_CRC)
+        ):
             raise RemoteProtocolError(
                 f"tensor header must be a map with exactly the keys {sorted(_HEADER_KEYS)}"
+                + ("" if self.require_crc32 else " (crc32 optional)")
             )
         shape = body["shape"]
+        crc32 = body.get("crc32")
+        if crc32 is None and "crc32" in body:  # present means an int, even where optional
+            raise RemoteProtocolError(f"tensor {_short(body['name'])}: crc32 must be an int")
         problem = _header_problem(
-            body["name"], body["dtype"], shape, body["codec"], body["length"], body["crc32"]
+            body["name"], body["dtype"], shape, body["codec"], body["length"], crc32
         )
         if problem:
             raise RemoteProtocolError(problem)
@@ -384,7 +478,7 @@ class FrameDecoder:
                 f" max_tensor_bytes={self.max_tensor_bytes}"
             )
         return TensorHeader(
-            body["name"], body["dtype"], tuple(shape), body["codec"], body["length"], body["crc32"]
+            body["name"], body["dtype"], tuple(shape), body["codec"], body["length"], crc32
         )
 
 
@@ -453,7 +547,7 @@ def _header_problem(
         return f"tensor {name!r}: codec must be a str of 1..{MAX_CODEC_LEN} chars"
     if type(length) is not int or length < 0:
         return f"tensor {name!r}: length must be an int >= 0, not {_short(length)}"
-    if type(crc32) is not int or not 0 <= crc32 < 2**32:
+    if crc32 is not None and (type(crc32) is not int or not 0 <= crc32 < 2**32):
         return f"tensor {name!r}: crc32 must be an int in [0, 2**32), not {_short(crc32)}"
     if codec == "raw":
         expected = math.prod(shape) * DTYPES[dtype]  # exact: Python ints do not overflow

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import struct
 
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
@@ -161,6 +163,103 @@ def test_a_lane_is_offered_and_chosen():
         b.accept("fp32", lane)
     bad = message("avg.accept", {"round": 3, "codec": "fp32", "lane": {"kind": av.LANE_TCP}})
     refuses(a, bad, "did not offer")
+
+
+def feed_in_place(ex: av.Exchange, data, cuts: list[int] = ()) -> list:
+    """As `feed`, but as the lane's reader: bytes go where receive_buffer() says if it can."""
+    data = join(data)
+    events = []
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(data)), len(data)]
+    for start, end in itertools.pairwise(bounds):
+        view = memoryview(data)[start:end]
+        while view:
+            buffer = ex.receive_buffer()
+            if buffer is None:
+                ex.receive_data(view)
+                view = view[len(view) :]
+            else:
+                n = min(len(buffer), len(view))
+                buffer[:n] = view[:n]
+                ex.received_into(n)
+                view = view[n:]
+            while (event := ex.next_event()) is not NEED_DATA:
+                events.append(event)
+    return events
+
+
+def tensor_headers(chunks) -> list[dict]:
+    """The tensor headers in a gather list, as the peer's msgpack decoder sees them."""
+    return [
+        msgpack.unpackb(c[4:])["b"]
+        for c in chunks
+        if isinstance(c, bytes) and msgpack.unpackb(c[4:])["t"] == "tensor"
+    ]
+
+
+def lane_pair(numel=100, codec="fp32", chunk=40):
+    """A pair in SWAPPING that agreed on a lane."""
+    a, b = pair(numel, [codec], chunk, lanes=[av.LANE_TCP])
+    feed(b, a.initiate())
+    feed(a, b.accept(codec, av.Lane(av.LANE_TCP, 4242, b"k" * 32)))
+    return a, b
+
+
+def test_on_a_lane_tensor_headers_carry_no_crc32():
+    """GCM authenticates every lane record; the crc32 stays on the libp2p stream."""
+    vec = torch.randn(100)
+    a, b = lane_pair()
+    frames = a.send_vector(vec)
+    assert [sorted(h) for h in tensor_headers(frames)] == [
+        ["codec", "dtype", "length", "name", "shape"]
+    ] * 3
+    feed(b, frames)
+    assert torch.equal(b.received_vector(), vec)
+    a, b = agreed()  # no lane: every header has its crc32, and one without is refused
+    assert all("crc32" in h for h in tensor_headers(a.send_vector(vec)))
+    _, lane_b = lane_pair()
+    _, b = agreed()
+    refuses(b, lane_b.send_vector(vec), "exactly the keys")
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 1200), st.lists(st.integers(0, 20_000), max_size=8))
+def test_receiving_in_place_on_a_lane_gives_the_same_result(codec, numel, chunk, cuts):
+    a_vec, b_vec = torch.randn(numel), torch.randn(numel)
+    a, b = lane_pair(numel, codec, chunk)
+    events = feed_in_place(b, a.send_vector(a_vec), cuts)
+    feed_in_place(a, b.send_vector(b_vec), cuts)
+    assert a.state is b.state is S.DONE
+    assert isinstance(events[-1], av.PeerDone)
+    assert torch.equal(b.received_vector(), expected_after(a_vec, codec, chunk))
+    assert torch.equal(a.received_vector(), expected_after(b_vec, codec, chunk))
+
+
+def test_fp32_payloads_are_received_straight_into_the_vector():
+    a, b = lane_pair(numel=100, chunk=40)  # no crc32: the test may write what it likes
+    data = join(a.send_vector(torch.ones(100)))
+    first_payload = data.index(struct.pack("<f", 1.0) * 40)
+    feed(b, data[:first_payload])  # theta/0's header: its payload goes into the vector
+    buffer = b.receive_buffer()
+    assert len(buffer) == 160
+    buffer[:] = struct.pack("<f", 2.0) * 40
+    b.received_into(160)
+    [chunk] = [e for e in iter(b.next_event, NEED_DATA)]
+    assert torch.equal(chunk.tensor, torch.full((40,), 2.0))
+    buffer[:4] = struct.pack("<f", 3.0)  # the same memory as the received vector's
+    assert chunk.tensor[0] == 3.0
+    feed(b, data[first_payload + 160 :])
+    assert b.received_vector()[0] == 3.0 and b.state is S.DONE
+
+
+def test_a_bad_frame_is_refused_on_its_header_before_its_payload():
+    vec = torch.randn(100)
+    for bad, match in (
+        (frame("theta/1", vec[40:80]), "out of order: expected 'theta/0'"),
+        (frame("theta/0", vec[:39]), r"theta/0: expected shape \[40\]"),
+    ):
+        _, b = agreed()
+        refuses(b, join(bad)[:-100], match)  # the header, and only part of the payload
 
 
 def test_a_truncated_stream_waits_for_more():

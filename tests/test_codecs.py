@@ -192,6 +192,35 @@ def test_descriptions_that_disagree_are_refused():
             codecs.decode(codec, dtype, shape, enc.payload, 100)
 
 
+def test_the_header_checks_run_without_the_payload():
+    """check_header is decode's refusals on a tensor header, before any payload arrives."""
+    codecs.check_header("bf16", "bfloat16", [100], 200, 100)
+    codecs.check_header("fp32+zstd", "float32", [100], 17, 100)
+    cases = [
+        (("bf16", "float32", [100], 200), "announced as bfloat16"),
+        (("bf16", "bfloat16", [99], 200), "expected shape"),
+        (("bf16", "bfloat16", [100], 199), "payload of 199 bytes"),
+        (("int8", "int8", [100], 100), "payload of 100 bytes; 100 values take 104"),
+        (("fp32+zstd", "float32", [100], 10**6), "over the"),
+        (("zfp9", "float32", [100], 400), "unknown codec"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RemoteProtocolError, match=message):
+            codecs.check_header(*args, 100)
+
+
+def test_an_fp32_payload_already_in_out_is_only_checked():
+    """Received straight into the receive vector: decode checks it and copies nothing."""
+    out = torch.randn(1000)
+    before = out.clone()
+    payload = memoryview(out.numpy()).cast("B")
+    assert codecs.decode("fp32", "float32", [1000], payload, 1000, out=out) is out
+    assert torch.equal(out, before)
+    out[7] = float("inf")
+    with pytest.raises(RemoteProtocolError, match="NaN/Inf"):
+        codecs.decode("fp32", "float32", [1000], payload, 1000, out=out)
+
+
 def test_our_own_mistakes_are_local_errors():
     for vec in (torch.randn(10, 10), torch.randn(20)[::2], torch.randn(10).double(), [1.0]):
         with pytest.raises(LocalProtocolError):

@@ -242,6 +242,129 @@ def test_truncated_input_needs_data_not_an_error() -> None:
         assert decoder.next_event() is NEED_DATA
 
 
+# --- authenticated transports and receiving in place ------------------------------------
+
+
+def test_a_crc32_may_be_left_out_only_where_the_transport_authenticates() -> None:
+    t = torch.arange(8, dtype=torch.float32)
+    dtype, shape, view = tensor_payload(t)
+    header = make_tensor_header("w", dtype, shape, "raw", view, crc32=False)
+    assert header.crc32 is None
+    wire = b"".join(bytes(part) for part in encode_tensor_frame(header, view))
+    assert b"crc32" not in wire
+    with pytest.raises(RemoteProtocolError, match="exactly the keys"):  # the default
+        drain(FrameDecoder(), [wire])
+    [frame] = drain(FrameDecoder(require_crc32=False), cut(wire, [3, 40, 50]))
+    assert frame.header.crc32 is None
+    assert torch.equal(tensor_from_payload(frame.header, frame.payload), t)
+    # Where optional, a crc32 that is present is still checked, and must be an int.
+    lax = FrameDecoder(require_crc32=False)
+    assert len(drain(lax, [tensor_frame_of(GOOD_HEADER, bytes(16))])) == 1
+    bad = tensor_frame_of({**GOOD_HEADER, "crc32": GOOD_HEADER["crc32"] ^ 1}, bytes(16))
+    with pytest.raises(RemoteProtocolError, match="does not match"):
+        drain(FrameDecoder(require_crc32=False), [bad])
+    with pytest.raises(RemoteProtocolError, match="crc32 must be an int"):
+        drain(FrameDecoder(require_crc32=False), [tensor_frame_of({**GOOD_HEADER, "crc32": None})])
+
+
+def test_payload_buffer_names_where_a_payload_is_received() -> None:
+    target = bytearray(64)
+    seen: list[TensorHeader] = []
+
+    def into_target(header: TensorHeader) -> memoryview | None:
+        seen.append(header)
+        return memoryview(target)[8 : 8 + header.length] if header.name == "in" else None
+
+    t = torch.arange(4, dtype=torch.float32)
+    wire = wire_of_tensor(t, name="in") + wire_of_tensor(t, name="own")
+    first, second = drain(FrameDecoder(payload_buffer=into_target), cut(wire, [30, 61, 62]))
+    assert [h.name for h in seen] == ["in", "own"]
+    assert bytes(target[8:24]) == bytes(tensor_payload(t)[2])  # landed in the caller's memory
+    first.payload[:4] = b"\0\0\0\0"
+    assert target[8:12] == b"\0\0\0\0"
+    assert same_bits(tensor_from_payload(second.header, second.payload), t)
+
+    def refuse(header: TensorHeader) -> None:
+        raise RemoteProtocolError(f"not {header.name!r}")
+
+    decoder = FrameDecoder(payload_buffer=refuse)
+    decoder.feed(wire_of_tensor(t, name="in")[:-8])  # the header, part of the payload
+    with pytest.raises(RemoteProtocolError, match="not 'in'"):
+        decoder.next_event()
+    with pytest.raises(RemoteProtocolError, match="already failed"):
+        decoder.next_event()
+    for wrong in (memoryview(bytearray(15)), memoryview(bytes(16)), bytearray(16)):
+        decoder = FrameDecoder(payload_buffer=lambda _h, w=wrong: w)
+        decoder.feed(wire)
+        with pytest.raises(LocalProtocolError, match="payload_buffer must return"):
+            decoder.next_event()
+
+
+def drain_in_place(decoder: FrameDecoder, chunks: list[bytes]) -> list[Envelope | TensorFrame]:
+    """As `drain`, but as a reader that fills receive_buffer() itself whenever offered."""
+    events: list[Envelope | TensorFrame] = []
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            buffer = decoder.receive_buffer()
+            if buffer is None:
+                decoder.feed(view)
+                view = view[len(view) :]
+            else:
+                n = min(len(buffer), len(view))
+                buffer[:n] = view[:n]
+                decoder.received_into(n)
+                view = view[n:]
+            while (event := decoder.next_event()) is not NEED_DATA:
+                events.append(event)
+    return events
+
+
+@FAST
+@given(
+    items=st.lists(st.one_of(envelopes, st.tuples(st.sampled_from(sorted(DTYPES)), shapes))),
+    data=st.data(),
+)
+def test_receiving_in_place_gives_the_same_events(items: list[Any], data: st.DataObject) -> None:
+    wire = bytearray()
+    for i, item in enumerate(items):
+        if isinstance(item, Envelope):
+            wire += encode_envelope(item)
+        else:
+            wire += wire_of_tensor(make_tensor(*item, seed=i), name=f"t{i}")
+    chunks = cut(bytes(wire), data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
+    decoder = FrameDecoder()
+    assert drain_in_place(decoder, chunks) == drain(FrameDecoder(), chunks)
+    assert decoder.statistics().bytes_in == len(wire)
+
+
+def test_bytes_received_in_place_are_crc_checked() -> None:
+    wire = bytearray(wire_of_tensor(torch.ones(4)))
+    wire[-1] ^= 1
+    with pytest.raises(RemoteProtocolError, match="crc32"):
+        drain_in_place(FrameDecoder(), [bytes(wire[:-16]), bytes(wire[-16:])])
+
+
+def test_received_into_misuse() -> None:
+    decoder = FrameDecoder()
+    assert decoder.receive_buffer() is None  # no payload under way
+    with pytest.raises(LocalProtocolError, match="without a receive_buffer"):
+        decoder.received_into(0)
+    wire = wire_of_tensor(torch.ones(4))
+    decoder.feed(wire[:-10])  # buffered, not parsed yet: no payload under way
+    assert decoder.receive_buffer() is None
+    with pytest.raises(LocalProtocolError):
+        decoder.received_into(1)
+    assert decoder.next_event() is NEED_DATA  # the header, and 6 of the payload's 16 bytes
+    assert len(decoder.receive_buffer()) == 10
+    with pytest.raises(LocalProtocolError, match="room for 10"):
+        decoder.received_into(11)
+    decoder.received_into(0)  # nothing written yet: fine
+    decoder.receive_buffer()[:] = wire[-10:]
+    decoder.received_into(10)
+    assert isinstance(decoder.next_event(), TensorFrame)
+
+
 # --- refusals: the peer's bytes ----------------------------------------------------------
 
 
