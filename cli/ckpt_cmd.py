@@ -1,7 +1,9 @@
-"""`node ckpt ls|verify`: the checkpoints in a node's state directory."""
+"""`node ckpt ls|verify|pull`: the checkpoints in a node's state directory."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -9,11 +11,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import fail, out
+from cli.common import err, fail, out
 from node.checkpoints import CheckpointError, CheckpointStore
 from node.config import default_state_dir
 
-app = typer.Typer(no_args_is_help=True, help="List and verify local checkpoints.")
+app = typer.Typer(no_args_is_help=True, help="List, verify and pull checkpoints.")
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="The node's state dir.")]
 
 
@@ -45,3 +47,90 @@ def verify(cid: Annotated[str, typer.Argument(help="Checkpoint id (from `node ck
         raise fail(f"checkpoint {cid} is damaged:\n  " + "\n  ".join(problems), 8)
     m = store.manifest(cid)
     out.print(f"checkpoint {cid}: step {m.step}, {len(m.chunks)} chunks, all verified")
+
+
+@app.command()
+def pull(
+    cid: Annotated[str, typer.Argument(help="Checkpoint id (from `node ckpt ls` on a holder).")],
+    from_: Annotated[list[str] | None, typer.Option(
+        "--from", "-f", help="Multiaddr of a peer holding it (repeatable); all are used at "
+                             "once.")] = None,
+    bootstrap: Annotated[list[str] | None, typer.Option(
+        "--bootstrap", "-b", help="Multiaddr of a peer to enter the DHT through: its "
+                                  "providers of the checkpoint are used too (repeatable).")]
+    = None,
+    state_dir: StateDir = None,
+    run: Annotated[str | None, typer.Option(
+        help="Refuse the checkpoint unless it belongs to this run-id.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a dial or a chunk.")]
+    = 30.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result.")] = False,
+) -> None:
+    """Download a checkpoint from its providers in parallel, verify it, store it here."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from cli.main import run_async
+    from node.ckpt_fetch import FetchReport, fetch
+    from protocols import checkpoint as ck
+    from protocols import manifest as mf
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # we report failures ourselves
+    if run is not None:
+        try:
+            run = mf.validate_run_id(run)
+        except mf.ManifestError as e:
+            raise fail(f"--run: {e}", 2) from None
+    store = CheckpointStore(state_dir or default_state_dir())
+    bar = Progress(TextColumn("pulling {task.fields[what]}"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), console=err, transient=True, disable=as_json)
+    task = bar.add_task("pull", total=None, what=f"…{cid[-8:]}")
+    reports: list[FetchReport] = []
+
+    def progress(done: int, total: int, manifest: ck.CheckpointManifest | None) -> None:
+        if manifest is not None:
+            size = manifest.size
+            bar.update(task, total=size, completed=min(size, done * manifest.chunk),
+                       what=f"…{cid[-8:]} (step {manifest.step})")
+
+    async def main() -> None:
+        reports.append(await fetch(cid, store, peers=list(from_ or []),
+                                   bootstrap=list(bootstrap or []), run=run,
+                                   dial_timeout=min(timeout, 10.0), chunk_timeout=timeout,
+                                   progress=progress))
+
+    with bar:
+        run_async(main)
+    r = reports[0]
+    m, res = r.manifest, r.result
+    providers = {p: {"bytes": n, "chunks": res.chunks_by_peer.get(p, 0)}
+                 for p, n in sorted(res.bytes_by_peer.items())} if res else {}
+    if as_json:
+        print(json.dumps({
+            "cid": r.cid, "run": m.run, "step": m.step, "size": m.size,
+            "chunks": len(m.chunks), "already_held": r.already_held,
+            "fetched_bytes": res.fetched_bytes if res else 0,
+            "chunks_local": res.chunks_local if res else len(m.chunks),
+            "seconds": round(res.seconds, 3) if res else 0.0, "mb_s": round(r.mb_s, 1),
+            "providers": providers, "dropped": res.failures if res else {},
+            "unreachable": r.unreachable, "store": str(store.root)}))
+        return
+    for addr, why in r.unreachable.items():
+        err.print(f"[yellow]warning:[/] could not reach {addr}: {why}", highlight=False)
+    head = f"checkpoint {r.cid}: run {m.run}, step {m.step}, {m.size / 1e6:.1f} MB"
+    if r.already_held or res is None:
+        out.print(f"{head}, already here and verified ({store.root})", highlight=False)
+        return
+    out.print(f"{head}, {len(m.chunks)} chunks, all verified", highlight=False)
+    local = f" ({res.chunks_local} chunks were already here)" if res.chunks_local else ""
+    out.print(f"downloaded {res.fetched_bytes / 1e6:.1f} MB in {res.seconds:.2f} s: "
+              f"{r.mb_s:.1f} MB/s from {len(providers)} provider"
+              f"{'' if len(providers) == 1 else 's'}{local}", highlight=False)
+    table = Table(box=None, show_header=True, pad_edge=False)
+    for col in ("provider", "MB", "chunks", ""):
+        table.add_column(col)
+    for peer in sorted(set(providers) | set(res.failures)):
+        p = providers.get(peer, {"bytes": 0, "chunks": 0})
+        table.add_row(peer, f"{p['bytes'] / 1e6:.1f}", str(p["chunks"]),
+                      f"dropped: {res.failures[peer]}" if peer in res.failures else "")
+    out.print(table)
+    out.print(f"stored in {store.root}", highlight=False)

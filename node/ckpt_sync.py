@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import INetStream
@@ -87,11 +89,34 @@ class _Session:
                     await self.stream.close()
 
 
+@dataclass
+class PullResult:
+    """What a pull moved, and from whom (`node ckpt pull` prints it)."""
+
+    manifest: ck.CheckpointManifest
+    seconds: float = 0.0
+    chunks_local: int = 0  # already on disk, not fetched
+    bytes_by_peer: dict[str, int] = field(default_factory=dict)
+    chunks_by_peer: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
+
+    @property
+    def fetched_bytes(self) -> int:
+        return sum(self.bytes_by_peer.values())
+
+
 async def pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
                *, chunk_timeout: float = 30.0,
-               progress: Callable[[int, int], None] = lambda done, total: None) -> None:
-    """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it."""
+               progress: Callable[[int, int], None] = lambda done, total: None,
+               check: Callable[[ck.CheckpointManifest], None] | None = None) -> PullResult:
+    """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
+
+    `check` sees the verified manifest before any chunk is fetched and may refuse it by
+    raising CheckpointError (`node ckpt pull --run` does, for another run's checkpoint).
+    """
+    started = time.monotonic()
     manifest, reasons = None, []
+    lacking: set[ID] = set()  # said "not held here": no chunk worker for them
     for peer in providers:
         session = _Session(substrate, peer)
         try:
@@ -100,15 +125,25 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                 data = await session.ask(cx.request_manifest(req, cid), req, "ckpt.manifest")
             manifest = ck.decode(data, expected_cid=cid)
             break
-        except (Exception, trio.TooSlowError) as e:
+        except trio.TooSlowError:
+            reasons.append(f"{peer}: no answer within {chunk_timeout:g} s")
+        except LookupError as e:
+            lacking.add(peer)
+            reasons.append(f"{peer}: {e}")
+        except Exception as e:
             reasons.append(f"{peer}: {e}")
         finally:
             await session.close()
     if manifest is None:
-        raise CheckpointError(f"no provider served checkpoint {cid}: " + "; ".join(reasons))
+        raise CheckpointError(f"no provider served checkpoint {cid}:\n  "
+                              + "\n  ".join(reasons or ["(no providers)"]))
+    if check is not None:
+        check(manifest)
+    result = PullResult(manifest)
     store.chunks.mkdir(parents=True, exist_ok=True)
     todo = [i for i, d in enumerate(manifest.chunks) if not (store.chunks / d).exists()]
     total, done = len(manifest.chunks), len(manifest.chunks) - len(todo)
+    result.chunks_local = done
     progress(done, total)
     send, receive = trio.open_memory_channel[int](len(todo) + 1)
     for i in todo:
@@ -120,6 +155,7 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
 
     async def worker(peer: ID) -> None:
         nonlocal done
+        name = peer.to_base58()
         session = _Session(substrate, peer)
         try:
             while not finished.is_set():
@@ -137,8 +173,14 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                 except (Exception, trio.TooSlowError) as e:
                     log.info("chunk %d from %s failed (%r); another provider takes it",
                              index, peer, e)
+                    result.failures[name] = (f"chunk {index}: no answer within "
+                                             f"{chunk_timeout:g} s"
+                                             if isinstance(e, trio.TooSlowError)
+                                             else f"chunk {index}: {e}")
                     send.send_nowait(index)
                     return
+                result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + len(data)
+                result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
                 remaining.discard(index)
                 done += 1
                 progress(done, total)
@@ -149,8 +191,12 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
 
     async with trio.open_nursery() as nursery:
         for peer in providers:
-            nursery.start_soon(worker, peer)
+            if peer not in lacking:
+                nursery.start_soon(worker, peer)
     if remaining:
-        raise CheckpointError(f"checkpoint {cid}: {len(remaining)} chunks could not be fetched "
-                              "from any provider")
+        why = "".join(f"\n  {p}: {r}" for p, r in sorted(result.failures.items()))
+        raise CheckpointError(f"checkpoint {cid}: {len(remaining)} of {total} chunks could not "
+                              f"be fetched from any provider:{why}")
     store.put_manifest(cid, manifest.encode())
+    result.seconds = time.monotonic() - started
+    return result

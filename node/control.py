@@ -3,15 +3,23 @@
 A TCP listener on 127.0.0.1 with an OS-chosen port; the port and a random token are written
 to `state_dir/control.json` (mode 0600), so only someone who can read the node's state
 directory can talk to it. One JSON request line, one JSON response line.
+
+A testnet node in a network namespace of its own (testnet/netns.py) listens on that
+namespace's loopback; the launcher names the namespace in PEERTRAIN_NETNS, the node writes
+it into control.json, and the client connects from a thread that entered it (root only,
+like the namespaces themselves).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import re
 import secrets
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,8 @@ import trio
 
 CONTROL_FILE = "control.json"
 MAX_REQUEST = 4096
+NETNS_ENV = "PEERTRAIN_NETNS"
+_CLONE_NEWNET = 0x40000000
 
 
 class ControlUnavailable(Exception):
@@ -34,8 +44,11 @@ async def serve_control(state_dir: Path, handlers: dict[str, Callable[[], Any]],
     path = Path(state_dir) / CONTROL_FILE
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    info = {"port": port, "token": token, "pid": os.getpid()}
+    if os.environ.get(NETNS_ENV):
+        info["netns"] = os.environ[NETNS_ENV]
     with os.fdopen(fd, "w") as f:
-        json.dump({"port": port, "token": token, "pid": os.getpid()}, f)
+        json.dump(info, f)
     os.replace(tmp, path)
 
     async def handle(conn: trio.SocketStream) -> None:
@@ -75,7 +88,7 @@ def query_control(state_dir: Path, cmd: str = "status", timeout: float = 3.0) ->
         raise ControlUnavailable(f"no node is running with state directory {state_dir}") from None
     except (OSError, ValueError) as e:
         raise ControlUnavailable(f"cannot read {path}: {e}") from e
-    try:
+    def ask() -> bytes:
         with socket.create_connection(("127.0.0.1", int(info["port"])), timeout=timeout) as s:
             s.sendall(json.dumps({"token": info["token"], "cmd": cmd}).encode() + b"\n")
             data = b""
@@ -84,6 +97,10 @@ def query_control(state_dir: Path, cmd: str = "status", timeout: float = 3.0) ->
                 if not chunk:
                     break
                 data += chunk
+            return data
+
+    try:
+        data = _in_netns(str(info["netns"]), ask) if info.get("netns") else ask()
     except OSError as e:
         raise ControlUnavailable(
             f"the node for {state_dir} does not answer ({e}); it may have exited") from e
@@ -91,3 +108,33 @@ def query_control(state_dir: Path, cmd: str = "status", timeout: float = 3.0) ->
     if "error" in reply:
         raise ControlUnavailable(reply["error"])
     return reply["ok"]
+
+
+def _in_netns(name: str, fn: Callable[[], bytes]) -> bytes:
+    """Run `fn` in a new thread that entered network namespace `name`: setns(2) moves only
+    the calling thread, so the caller stays where it is."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise OSError(f"bad namespace name {name!r} in control.json")
+    result: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"cannot enter network namespace {name}: "
+                                       f"{os.strerror(err)}")
+            finally:
+                os.close(fd)
+            result["data"] = fn()
+        except OSError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name=f"netns-{name}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["data"]  # type: ignore[return-value]

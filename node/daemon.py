@@ -35,6 +35,7 @@ from node.errors import (
     StateDirError,
 )
 from node.memory import tune_malloc
+from node.peering import Redialer
 from node.rundoc_sync import RunDocSync
 from node.rundoc_sync import topic as rundoc_topic
 from node.runstore import RunStore, atomic_write
@@ -63,8 +64,10 @@ def run_key(run_id: str) -> str:
 class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.phase = "starting"
         self.started = time.monotonic()
+        self.started_unix = time.time()
+        self.phase_times: dict[str, float] = {}  # phase -> s after start it first began
+        self.phase = "starting"
         self.first_peer_after_s: float | None = None
         self.manifest: mf.Manifest | None = None
         self.store = RunStore(config.state_dir)
@@ -90,6 +93,20 @@ class Node:
         manifest_service.install(self.substrate, self.store)
         ckpt_sync.install(self.substrate, self.checkpoints)
         self.download: dict[str, Any] | None = None
+        self.redialer = Redialer(
+            self.substrate, config.bootstrap,
+            lambda: {p: i.get("addrs") for p, i in self.rundoc.members(ttl_s=600).items()}
+            if self.rundoc else {})
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        # timed, so `node status` (and the join benchmark) can tell where a join spends time
+        self._phase = value
+        self.phase_times.setdefault(value, round(time.monotonic() - self.started, 3))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -106,10 +123,12 @@ class Node:
             await nursery.start(self.substrate.serve)
             await nursery.start(self.publisher.run)
             await nursery.start(serve_control, self.config.state_dir,
-                                {"status": self.status, "ping": lambda: "pong"})
+                                {"status": self.status, "ping": lambda: "pong",
+                                 "rundoc": lambda: self.rundoc.stamps() if self.rundoc else {}})
             self._write_addrs()
             log.info("peer %s listening on %s", self.peer_id, " ".join(self.substrate.addrs()))
             await self._connect_bootstrap()
+            await nursery.start(self.redialer.run)
             if self.config.run_id is None:
                 await self._serve_as_bootstrap(nursery)
             else:
@@ -218,6 +237,16 @@ class Node:
                                          lambda: self.training.outer if self.training else None)
         self._nursery = nursery
         nursery.start_soon(self._supervise_training)
+        nursery.start_soon(self._time_first_step)
+
+    async def _time_first_step(self) -> None:
+        """Note when the first step completes: the end of a join (docs/benchmarks.md)."""
+        t = self.training
+        while t is not None and t.stats.compute_s == 0 and t.stats.phase != "failed":
+            await trio.sleep(0.02)
+        if t is not None and t.stats.compute_s > 0:
+            self.phase_times.setdefault("first step",
+                                        round(time.monotonic() - self.started, 3))
 
     async def _exchange(self, r: int, snapshot: Any) -> Any:
         """A round's exchange, then (SybilWall) history gossip to the same neighbours."""
@@ -243,6 +272,7 @@ class Node:
         step, cid, writer = max(entries)
         dht = self.substrate.dht
         assert dht is not None
+        self.phase = "finding providers"
         providers = [p.peer_id for p in await dht.find_providers(f"ckpt/{cid}")]
         for extra in [ID.from_base58(writer), *self.substrate.connected_peers()]:
             if extra not in providers and extra != self.substrate.peer_id:
@@ -256,14 +286,17 @@ class Node:
             self.download.update(done=done, total=total)
 
         try:
-            await ckpt_sync.pull(self.substrate, providers, cid, self.checkpoints,
-                                 progress=progress)
+            pulled = await ckpt_sync.pull(self.substrate, providers, cid, self.checkpoints,
+                                          progress=progress)
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s); starting from scratch", cid, e)
             return None
         finally:
             self.phase = "running"
-        log.info("fetched checkpoint %s (step %d) from %d providers", cid, step, len(providers))
+        # asked != served: in a NoLoCo swarm each node's checkpoint is its own
+        self.download["served_by"] = len(pulled.bytes_by_peer)
+        log.info("fetched checkpoint %s (step %d) from %d of %d providers asked", cid, step,
+                 len(pulled.bytes_by_peer), len(providers))
         return cid
 
     async def _save_checkpoint(self, snapshot: Any) -> None:
@@ -436,6 +469,8 @@ class Node:
             "peer_id": self.peer_id,
             "role": self.config.role,
             "phase": self.phase,
+            "phase_times": self.phase_times,
+            "started_unix": round(self.started_unix, 3),
             "run": self.config.run_id,
             "run_name": self.manifest.run.name if self.manifest else None,
             "runs_served": self.store.run_ids(),
@@ -446,6 +481,7 @@ class Node:
             "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
                        "addrs": e.addrs, **e.info} for e in live],
             "connections": len(self.substrate.connected_peers()),
+            "redial": self.redialer.statistics(),
             "dht_routing_table": dht.routing_table_size() if dht else 0,
             "handler_errors": self.substrate.stats.handler_errors,
             "host_restarts": self.substrate.stats.restarts,

@@ -101,6 +101,11 @@ class RunDocSync:
             out[peer] = info
         return out
 
+    def stamps(self) -> dict[str, list]:
+        """key -> [wall_ms, counter, writer] of every entry: enough to tell whether two
+        replicas hold the same versions (the partition test and benchmark compare them)."""
+        return {e.key: [e.hlc.wall_ms, e.hlc.counter, e.hlc.node] for e in self.doc.entries()}
+
     def statistics(self) -> dict[str, Any]:
         st = self.doc.statistics()
         return {"entries": st.entries, "tombstones": st.tombstones, "rejected": self.rejected,
@@ -148,22 +153,46 @@ class RunDocSync:
 
     async def _anti_entropy_loop(self) -> None:
         last_full = 0.0
-        while True:
-            await trio.sleep(0.5)
-            live = [p for p in self.live_peers() if p != self.signer.peer_id]
-            new = [p for p in live if p not in self._synced_with]
-            due = time.monotonic() - last_full >= self.anti_entropy_s
-            targets = new[:4] if new else ([random.choice(live)] if live and due else [])
-            if due:
-                last_full = time.monotonic()
-            for peer in targets:
-                self._synced_with.add(peer)
-                try:
-                    with trio.fail_after(10):
-                        await self._sync_with(peer)
-                    self.syncs += 1
-                except Exception as e:
-                    log.info("anti-entropy with %s failed: %r", peer, e)
+        in_flight: set[str] = set()
+        failed_at: dict[str, float] = {}
+
+        async def sync(peer: str) -> None:
+            try:
+                with trio.fail_after(10):
+                    await self._sync_with(peer)
+                self.syncs += 1
+            except Exception as e:
+                # retried in a few seconds while it stays live: right after a heal the
+                # first try can fail while the connections are re-made
+                self._synced_with.discard(peer)
+                failed_at[peer] = time.monotonic()
+                log.info("anti-entropy with %s failed: %r", peer, e)
+            finally:
+                in_flight.discard(peer)
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.sleep(0.5)
+                now = time.monotonic()
+                live = [p for p in self.live_peers() if p != self.signer.peer_id]
+                # A peer that left our view (a partition, a restart) is synced with as soon
+                # as it is back: what it wrote meanwhile never reaches us by gossip again.
+                self._synced_with.intersection_update(live)
+                new = [p for p in live if p not in self._synced_with and p not in in_flight
+                       and now - failed_at.get(p, -1e9) >= 2.0]
+                due = now - last_full >= self.anti_entropy_s
+                idle = [p for p in live if p not in in_flight]
+                targets = new[:4] if new else ([random.choice(idle)] if idle and due else [])
+                if due:
+                    last_full = now
+                for p in [p for p, t in failed_at.items() if now - t > 60]:
+                    del failed_at[p]
+                # concurrently, so a stuck peer never delays the others; at most 4 start
+                # per tick and each ends within 10 s: at most 80 in flight
+                for peer in targets:
+                    self._synced_with.add(peer)
+                    in_flight.add(peer)
+                    nursery.start_soon(sync, peer)
 
     async def _sync_with(self, peer: str) -> None:
         stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID)

@@ -1,0 +1,166 @@
+"""Partition and heal with real node processes in network namespaces (testnet/netns.py).
+
+Both halves keep training while split; after the heal the run documents converge and a DHT
+lookup from one half finds a provider record published by the other half during the split.
+Needs root and iproute2; skipped (with the reason) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.control import query_control
+from testnet import launcher, netns
+from tests.conftest import REPO, run_cli, wait_until
+
+
+def status(p: launcher.Proc) -> dict:
+    try:
+        return query_control(Path(p.state_dir))
+    except Exception:
+        return {}
+
+
+def stamps(p: launcher.Proc) -> dict[str, list]:
+    try:
+        return query_control(Path(p.state_dir), "rundoc")
+    except Exception:
+        return {}
+
+
+def step(p: launcher.Proc) -> int:
+    return (status(p).get("training") or {}).get("step", 0)
+
+
+def live_peers(p: launcher.Proc) -> set[str]:
+    return {q["peer_id"] for q in status(p).get("peers", [])}
+
+
+def holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
+    """True if `replica` has every entry of `snapshot`, at that version or a newer one."""
+    return all(k in replica and replica[k] >= v for k, v in snapshot.items())
+
+
+def union(replicas: list[dict[str, list]]) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in replicas:
+        for k, v in r.items():
+            out[k] = max(out.get(k, v), v)
+    return out
+
+
+@pytest.fixture
+def namespaces_available() -> None:
+    reason = netns.available()
+    if reason:
+        pytest.skip(reason)
+
+
+def test_split_halves_keep_training_and_converge_after_heal(
+    namespaces_available, testnet_factory, tmp_path
+):
+    net = testnet_factory(4, manifest=launcher.scenario_manifest_path("partition"), netns=True)
+    tag = net.netns["tag"]
+    nodes = [p for p in net.procs if p.name != "bootstrap"]
+    ids = {p.name: status(p)["peer_id"] for p in net.procs}
+    for p in nodes:
+        wait_until(
+            lambda p=p: len(status(p).get("members", [])) == 3 and step(p) > 0,
+            90,
+            f"{p.name} to train and list 3 members",
+        )
+
+    r = run_cli("testnet", "partition", "--dir", net.dir)
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap node1 node2  |  node3 node4" in r.stderr
+    split_ms = time.time_ns() // 1_000_000
+    a, b = nodes[:2], nodes[2:]
+    at_split = {p.name: step(p) for p in nodes}
+    for side, other in ((a, b), (b, a)):
+        far = {ids[q.name] for q in other}
+        for p in side:
+            wait_until(
+                lambda p=p, far=far: live_peers(p) and not live_peers(p) & far,
+                30,
+                f"{p.name} to lose the other half",
+            )
+    # Both halves keep training: two more outer rounds (H = 20) on every node.
+    for p in nodes:
+        wait_until(lambda p=p: step(p) >= at_split[p.name] + 40, 120, f"{p.name} to train on")
+
+    def new_checkpoint_in_b() -> str | None:
+        for p in b:
+            cid = (status(p).get("training") or {}).get("last_checkpoint")
+            stamp = stamps(p).get(f"ckpt/{cid}")
+            if cid and stamp and stamp[0] > split_ms:
+                return cid
+        return None
+
+    cid_b = wait_until(new_checkpoint_in_b, 120, "half B to checkpoint during the split")
+    assert f"ckpt/{cid_b}" not in stamps(a[0])  # the split is real for the run document
+
+    snapshot = union([stamps(p) for p in nodes])
+    r = run_cli("testnet", "heal", "--dir", net.dir)
+    assert r.returncode == 0, r.stderr
+    healed = time.monotonic()
+    wait_until(
+        lambda: all(holds(stamps(p), snapshot) for p in nodes),
+        60,
+        "every run document to hold what both halves wrote",
+    )
+    converged_s = time.monotonic() - healed
+    for p in nodes:
+        others = {ids[q.name] for q in nodes if q is not p}
+        wait_until(lambda p=p, o=others: live_peers(p) == o, 30, f"{p.name} to see all 3 peers")
+    print(f"run documents converged {converged_s:.1f} s after the heal")
+
+    # The DHT is whole again: entering it through node1 (half A) finds half B's provider
+    # record of a checkpoint published during the split, and the pull gets it from B.
+    node1 = a[0]
+    addr = json.loads((Path(node1.state_dir) / "addrs.json").read_text())["addrs"][0]
+    topo = launcher.topology(net)
+    assert topo is not None
+    probe = subprocess.run(
+        [
+            *topo.exec_prefix("node1"),
+            sys.executable,
+            "-m",
+            "cli",
+            "ckpt",
+            "pull",
+            cid_b,
+            "--bootstrap",
+            addr,
+            "--state-dir",
+            str(tmp_path / "probe"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
+    assert probe.returncode == 0, probe.stderr
+    providers = set(json.loads(probe.stdout)["providers"])
+    assert providers and providers <= {ids[q.name] for q in b}
+
+    launcher.down(Path(net.dir))
+    assert netns.existing(tag) == []
+
+
+def test_without_root_the_reason_is_given(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "root" in (netns.available() or "")
+
+
+def test_partition_needs_a_namespaced_testnet(tmp_path):
+    net = launcher.Testnet(str(tmp_path), "run", "", [], True, 0)
+    with pytest.raises(launcher.TestnetError, match="--scenario partition"):
+        launcher.partition(net)

@@ -1,0 +1,88 @@
+"""The redialer (node/peering.py) against a fake host: whom it dials, and how it backs off."""
+
+from __future__ import annotations
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from node.peering import Redialer
+from p2p.host import DialError
+
+
+def peer_addr(port: int) -> tuple[str, str]:
+    pid = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    return pid, f"/ip4/127.0.0.1/tcp/{port}/p2p/{pid}"
+
+
+class FakeHost:
+    """Just what the redialer uses: who we are, who we are connected to, and dialing."""
+
+    def __init__(self, reachable: set[str]) -> None:
+        self.peer_id = ID.from_pubkey(create_new_key_pair().public_key)
+        self.reachable = reachable
+        self.connected: set[str] = set()
+        self.dialed: list[str] = []
+        self.dht = None
+
+    def connected_peers(self) -> list[ID]:
+        return [ID.from_base58(p) for p in self.connected]
+
+    async def connect(self, addr: str, timeout: float = 10.0) -> ID:
+        peer = addr.rsplit("/", 1)[1]
+        self.dialed.append(peer)
+        if peer not in self.reachable:
+            raise DialError(addr, "Network is unreachable")
+        self.connected.add(peer)
+        return ID.from_base58(peer)
+
+
+def due_now(r: Redialer) -> None:
+    r._next_try.clear()  # skip the wait of the backoff, keep its length
+
+
+async def test_bootstrap_always_members_while_few_connections_and_backoff_is_capped():
+    boot, boot_addr = peer_addr(1)
+    a, a_addr = peer_addr(2)
+    b, b_addr = peer_addr(3)
+    host = FakeHost(reachable={a})
+    members = {a: [a_addr], b: [b_addr], host.peer_id.to_base58(): ["/ignored"]}
+    r = Redialer(host, [boot_addr], lambda: members, backoff_min_s=1.0, backoff_max_s=8.0)
+
+    assert await r.tick() == 1  # a is reached; the bootstrap and b are not
+    assert set(host.dialed) == {boot, a, b} and host.connected == {a}
+    waits = []
+    for _ in range(6):
+        due_now(r)
+        host.dialed.clear()
+        await r.tick()
+        assert set(host.dialed) == {boot, b}  # never a (connected) nor ourselves
+        waits.append(r._backoff[b])
+    assert waits == [2.0, 4.0, 8.0, 8.0, 8.0, 8.0]  # doubling, capped
+    assert r.statistics()["redials"] == 1 and r.statistics()["failures"] == 14
+
+    # The partition heals: the next due try reaches them and resets their backoff.
+    host.reachable |= {boot, b}
+    due_now(r)
+    assert await r.tick() == 2
+    assert b not in r._backoff and host.connected == {a, b, boot}
+
+
+async def test_with_enough_connections_only_one_member_is_probed_per_period():
+    members = dict(peer_addr(10 + i) for i in range(5))
+    host = FakeHost(reachable=set())
+    host.connected = {peer_addr(20 + i)[0] for i in range(3)}
+    r = Redialer(host, [], lambda: {p: [a] for p, a in members.items()}, want_peers=3, probe_s=10.0)
+    await r.tick()
+    assert len(host.dialed) == 1  # one random probe, not all five
+    due_now(r)
+    host.dialed.clear()
+    await r.tick()
+    assert host.dialed == []  # the next probe waits for probe_s
+
+
+async def test_malformed_member_addresses_are_skipped():
+    good, good_addr = peer_addr(30)
+    host = FakeHost(reachable={good})
+    members = {good: [good_addr], "12D3KooWbad": 42, "12D3KooWworse": [1, 2]}
+    r = Redialer(host, [], lambda: members)  # type: ignore[arg-type]
+    assert await r.tick() == 1 and host.dialed == [good]
