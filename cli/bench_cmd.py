@@ -52,9 +52,56 @@ def exchange(
     bench.main(quick=quick, hivemind_venv=hivemind_venv)
 
 
+@app.command()
+def robust(quick: Quick = False) -> None:
+    """Sybil attacks against five aggregators, and variance correction (PNG)."""
+    from testnet.bench import robust as bench
+
+    bench.main(quick=quick)
+
+
+@app.command()
+def join(
+    quick: Quick = False,
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Nodes training the run.")] = 4,
+    joins: Annotated[int, typer.Option(help="Joiners, one after the other.")] = 3,
+) -> None:
+    """Join to first step on a running testnet (25 MB model), phase by phase."""
+    from testnet.bench import join as bench
+
+    bench.main(quick=quick, nodes=nodes, joins=joins)
+
+
+@app.command()
+def pull(quick: Quick = False) -> None:
+    """Checkpoint download from one provider vs three (loopback; rate-limited as root)."""
+    from testnet.bench import pull as bench
+
+    bench.main(quick=quick)
+
+
+@app.command()
+def partition(quick: Quick = False) -> None:
+    """Run-document convergence after a partition heals (root: network namespaces)."""
+    from cli.common import fail
+    from testnet.bench import partition as bench
+
+    try:
+        bench.main(quick=quick)
+    except bench.BenchUnavailable as e:
+        raise fail(str(e), 2) from None
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
     p2p(quick)
     utilization(quick)
     convergence(quick)
+    robust(quick)
+    join(quick)
+    pull(quick)
+    from testnet.netns import available
+
+    if available() is None:  # root only
+        partition(quick)

@@ -44,10 +44,18 @@ def node_status_table(st: dict[str, Any]) -> Group:
 
 
 def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """One row per testnet process; `rows` come from `testnet.launcher.collect_status`."""
+    """One row per testnet process; `rows` come from `testnet.launcher.collect_status`.
+
+    Classification runs (the sybil scenario) get accuracy, attack-success and the weight
+    this node's aggregator gave to sybils in place of the partner and traffic columns."""
     table = Table(title=title, title_justify="left")
-    columns = ("node", "id", "phase", "peers", "step", "loss", "val", "partner",
-               "MB out/in", "compute")
+    robust = any(((r.get("status") or {}).get("training") or {}).get("val_metrics", {})
+                 and "accuracy" in r["status"]["training"]["val_metrics"] for r in rows)
+    sybils = {(r.get("status") or {}).get("peer_id") for r in rows if r["name"].startswith("sybil")}
+    columns = (("node", "id", "phase", "peers", "step", "loss", "acc", "flip", "backdoor",
+                "sybil weight") if robust else
+               ("node", "id", "phase", "peers", "step", "loss", "val", "partner",
+                "MB out/in", "compute"))
     for col in columns:
         table.add_column(col, no_wrap=True,
                          justify="left" if col in ("node", "id", "phase", "partner") else "right")
@@ -61,13 +69,27 @@ def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
         phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
         phase_text = Text(phase or "-", "green" if phase in ("running", "training") else "yellow")
         peers = "-" if st["role"] == "bootstrap" else str(len(st["peers"]))
+        head = (r["name"], short(st["peer_id"]), phase_text, peers,
+                _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"))
+        if robust:
+            vm = t.get("val_metrics") or {}
+            table.add_row(*head, _num(vm.get("accuracy"), "{:.1%}"),
+                          _num(vm.get("label_flip"), "{:.1%}"), _num(vm.get("backdoor"), "{:.1%}"),
+                          _sybil_weight(t.get("aggregation"), sybils))
+            continue
         table.add_row(
-            r["name"], short(st["peer_id"]), phase_text, peers,
-            _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"),
-            _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
+            *head, _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
             _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
             _num(t.get("compute_fraction"), "{:.0%}"))
     return table
+
+
+def _sybil_weight(aggregation: dict[str, Any] | None, sybils: set[str | None]) -> str:
+    """Share of the last aggregation that came from sybils ("-" if none was aggregated)."""
+    weights = (aggregation or {}).get("weights") or {}
+    if not weights:
+        return "-"
+    return f"{sum(w for peer, w in weights.items() if peer in sybils):.1%}"
 
 
 def _num(value: Any, fmt: str) -> str:

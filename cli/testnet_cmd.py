@@ -1,4 +1,4 @@
-"""`node testnet up|down|status|logs`: a local multi-node testnet on loopback."""
+"""`node testnet up|down|status|logs|partition|heal`: a local multi-node testnet."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from rich.live import Live
 
 from cli.common import err, fail, out
 from cli.render import testnet_table
-from testnet import launcher
+from testnet import launcher, netns
 
-app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback.")
+app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
+                                              "(or in network namespaces, as root).")
 
 Dir = Annotated[Path | None, typer.Option("--dir", help="Where the testnet keeps its state.")]
 
@@ -35,14 +36,39 @@ def up(
     directory: Dir = None,
     no_train: Annotated[bool, typer.Option("--no-train", help="Nodes join without training.")]
     = False,
+    scenario: Annotated[str | None, typer.Option(
+        help="'sybil': --honest nodes plus one attacker with --sybils identities sending a "
+             "poisoned model (docs/robustness.md). 'partition' (root): every process in a "
+             "network namespace of its own, for `node testnet partition` and `heal`.")] = None,
+    honest: Annotated[int | None, typer.Option(help="sybil scenario: honest nodes.")] = None,
+    sybils: Annotated[int, typer.Option(help="sybil scenario: the attacker's identities.")] = 4,
+    attack: Annotated[str, typer.Option(help="sybil scenario: label-flip or backdoor.")]
+    = "label-flip",
+    aggregator: Annotated[str | None, typer.Option(
+        help="Override aggregate.method: mean, vc, median, krum, foolsgold, sybilwall.")] = None,
 ) -> None:
     """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
     directory = directory or launcher.default_dir()
     extra = ["--no-train"] if no_train else []
+    if scenario not in (None, "sybil", "partition"):
+        raise fail(f"--scenario {scenario!r}: known scenarios: sybil, partition", 2)
+    if scenario == "partition":
+        manifest = manifest or launcher.scenario_manifest_path("partition")
+        reason = netns.available()
+        if reason:
+            raise fail(f"--scenario partition puts each node in a network namespace: {reason}",
+                       2)
+    if scenario == "sybil":
+        nodes = honest if honest is not None else nodes
+        manifest = manifest or launcher.scenario_manifest_path("sybil")
+        if attack not in ("label-flip", "backdoor"):
+            raise fail(f"--attack {attack!r}: expected label-flip or backdoor", 2)
     try:
         with err.status("starting the testnet") as spinner:
             net = launcher.up(directory, nodes, manifest=manifest, detached=detach,
                               extra_node_args=extra,
+                              sybils=sybils if scenario == "sybil" else 0, attack=attack,
+                              aggregator=aggregator, netns=scenario == "partition",
                               on_progress=lambda m: spinner.update(m))
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
@@ -82,7 +108,9 @@ def status(
     net = _load(directory or launcher.default_dir())
     rows = launcher.collect_status(net)
     if as_json:
-        print(json.dumps({"run": net.run_id, "dir": net.dir, "processes": rows}, indent=2))
+        cut = (net.netns or {}).get("cut")
+        print(json.dumps({"run": net.run_id, "dir": net.dir, "partition": cut,
+                          "processes": rows}, indent=2))
     else:
         out.print(testnet_table(rows, f"testnet {net.run_id}"))
 
@@ -114,3 +142,30 @@ def logs(
                           highlight=False, markup=False)
             except (ValueError, KeyError):
                 out.print(line, highlight=False, markup=False)
+
+
+@app.command()
+def partition(
+    side: Annotated[list[str] | None, typer.Argument(
+        help="Nodes cut off from the rest (default: the second half of the nodes).")] = None,
+    directory: Dir = None,
+) -> None:
+    """Split a `--scenario partition` testnet in two: dials across fail, open links drop."""
+    net = _load(directory or launcher.default_dir())
+    try:
+        a, b = launcher.partition(net, side)
+    except launcher.TestnetError as e:
+        raise fail(str(e)) from None
+    err.print(f"partitioned: {' '.join(a)}  |  {' '.join(b)}")
+    err.print("undo it with `node testnet heal`")
+
+
+@app.command()
+def heal(directory: Dir = None) -> None:
+    """Join the two sides of a partitioned testnet again."""
+    net = _load(directory or launcher.default_dir())
+    try:
+        launcher.heal(net)
+    except launcher.TestnetError as e:
+        raise fail(str(e)) from None
+    err.print("healed: every node can reach every other again")

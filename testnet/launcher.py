@@ -6,6 +6,11 @@ state directory per process. Nothing is left behind:
 * `down` sends SIGTERM to every process group it started, then SIGKILL after a deadline;
 * in the foreground, children get PR_SET_PDEATHSIG, so the kernel kills them if the
   launcher dies (even by SIGKILL); detached testnets (`-d`) outlive the launcher on purpose.
+
+With `netns=True` (root only) every process runs in a network namespace of its own behind
+one router (testnet/netns.py), so `partition` can cut the testnet in two and `heal` can
+join it again; `down` deletes the namespaces, and so does the next `up` in the same
+directory if a crashed launcher left them behind.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import Any
 
 import platformdirs
 
-from node.control import ControlUnavailable, query_control
+from node.control import NETNS_ENV, ControlUnavailable, query_control
 from node.runstore import RunStore, atomic_write
 from protocols import manifest as mf
+from testnet import netns as ns
 
 STATE_FILE = "testnet.json"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -59,6 +65,7 @@ class Testnet:
     procs: list[Proc]
     detached: bool
     launcher_pid: int
+    netns: dict[str, Any] | None = None  # testnet/netns.py Topology, when namespaced
 
     def save(self) -> None:
         atomic_write(Path(self.dir) / STATE_FILE, json.dumps(asdict(self), indent=2).encode())
@@ -77,6 +84,11 @@ def default_manifest_path() -> Path:
     return Path(str(resources.files("testnet") / "default_manifest.toml"))
 
 
+def scenario_manifest_path(scenario: str) -> Path:
+    """The run a scenario trains (testnet/<scenario>_manifest.toml)."""
+    return Path(str(resources.files("testnet") / f"{scenario}_manifest.toml"))
+
+
 def _pdeathsig() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -91,13 +103,19 @@ def alive(pid: int, state_dir: str | None = None) -> bool:
         return False
     if stat.rsplit(")", 1)[1].split()[0] == "Z":  # a zombie: exited, not yet reaped
         return False
+    if cmdline == [b""]:  # in the middle of an exec (`ip netns exec` execs the node)
+        return True
     return state_dir is None or state_dir.encode() in cmdline
 
 
 def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
-           env: dict[str, str]) -> Proc:
+           env: dict[str, str], topo: ns.Topology | None = None) -> Proc:
     state_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "cli", *args, "--state-dir", str(state_dir)]
+    if topo is not None:  # in its namespace, listening on its own address there
+        argv = [*topo.exec_prefix(name), *(topo.listen(name) if a == LOOPBACK else a
+                                           for a in argv)]
+        env = {**env, NETNS_ENV: topo.ns(name)}
     log = open(state_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True, env=env,
@@ -130,10 +148,19 @@ def tail(path: Path, lines: int) -> str:
 
 def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: bool = False,
        extra_node_args: list[str] | None = None, timeout: float = 60.0,
-       on_progress=lambda msg: None) -> Testnet:
-    """Start a bootstrap and `nodes` nodes; return once every node is running."""
+       sybils: int = 0, attack: str | None = None, aggregator: str | None = None,
+       netns: bool = False, on_progress=lambda msg: None) -> Testnet:
+    """Start a bootstrap and `nodes` nodes; return once every node is running.
+
+    With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
+    training the same poisoned model (`attack`); `aggregator` overrides the manifest's
+    aggregate.method (docs/robustness.md). `netns`: each process in a network namespace of
+    its own (root only), for `partition` and `heal`.
+    """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
+    if sybils and attack not in ("label-flip", "backdoor"):
+        raise TestnetError("sybils need an attack: label-flip or backdoor")
     directory = Path(directory).resolve()
     existing = Testnet.load(directory)
     if existing and any(alive(p.pid, p.state_dir) for p in existing.procs):
@@ -144,16 +171,37 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         m = mf.load_manifest_file(manifest or default_manifest_path())
     except mf.ManifestError as e:
         raise TestnetError(str(e)) from e
+    if aggregator is not None:
+        try:
+            m = mf.Manifest.model_validate({**m.model_dump(by_alias=True),
+                                            "aggregate": {**m.aggregate.model_dump(),
+                                                          "method": aggregator}})
+        except ValueError as e:
+            raise TestnetError(f"--aggregator {aggregator}: {e}") from e
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     boot_dir = directory / "bootstrap"
     run_id = RunStore(boot_dir).put(mf.canonical_bytes(m))
     (boot_dir / "addrs.json").unlink(missing_ok=True)
     procs: list[Proc] = []
     net = Testnet(str(directory), run_id, "", procs, detached, os.getpid())
+    topo = None
     try:
+        if netns:
+            reason = ns.available()
+            if reason:
+                raise TestnetError(f"cannot place nodes in network namespaces: {reason}")
+            on_progress("creating network namespaces")
+            names = ["bootstrap", *(f"node{i}" for i in range(1, nodes + 1)),
+                     *(f"sybil{i}" for i in range(1, sybils + 1))]
+            try:
+                topo = ns.create(ns.tag_for(str(directory)), names)
+            except ns.NetnsError as e:
+                raise TestnetError(f"cannot create the network namespaces: {e}") from e
+            net.netns = topo.to_json()
+            net.save()
         on_progress("starting the bootstrap")
         procs.append(_spawn("bootstrap", boot_dir, ["bootstrap", "--listen", LOOPBACK],
-                            detached, env))
+                            detached, env, topo))
         net.save()
         addrs = _wait_for(lambda: _read_addrs(boot_dir), timeout, "the bootstrap to listen", procs)
         net.bootstrap_addr = addrs[0]
@@ -163,7 +211,13 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             (d / "addrs.json").unlink(missing_ok=True)
             procs.append(_spawn(f"node{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
                                                 "--listen", LOOPBACK, *(extra_node_args or [])],
-                                detached, env))
+                                detached, env, topo))
+        for i in range(1, sybils + 1):
+            d = directory / f"sybil{i}"
+            (d / "addrs.json").unlink(missing_ok=True)
+            procs.append(_spawn(f"sybil{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
+                                                 "--listen", LOOPBACK, "--attack", str(attack)],
+                                detached, env, topo))
         net.save()
         _wait_for(lambda: all(_phase(p) == "running" for p in procs), timeout,
                   "every node to join the run", procs)
@@ -220,6 +274,8 @@ def down(directory: Path, timeout: float = 10.0) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
     _reap()
+    if net.netns:
+        ns.destroy(ns.Topology.from_json(net.netns))
     (Path(net.dir) / STATE_FILE).unlink(missing_ok=True)
     return len(running)
 
@@ -249,8 +305,65 @@ def restart_node(net: Testnet, name: str) -> Proc:
                 raise TestnetError(f"{name} is still running")
             (Path(p.state_dir) / "addrs.json").unlink(missing_ok=True)
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-            new = _spawn(name, Path(p.state_dir), p.args, net.detached, env)
+            new = _spawn(name, Path(p.state_dir), p.args, net.detached, env, topology(net))
             net.procs[i] = new
             net.save()
             return new
     raise TestnetError(f"no process named {name} in this testnet")
+
+
+def add_node(net: Testnet, name: str, extra_args: list[str] | None = None) -> Proc:
+    """Start one more node joining the run (a late joiner); returns at once."""
+    if any(p.name == name for p in net.procs):
+        raise TestnetError(f"{name} is already part of this testnet")
+    topo = topology(net)
+    if topo is not None:
+        try:
+            ns.add(topo, name)
+        except ns.NetnsError as e:
+            raise TestnetError(f"cannot give {name} a network namespace: {e}") from e
+        finally:
+            net.netns = topo.to_json()
+            net.save()
+    d = Path(net.dir) / name
+    (d / "addrs.json").unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = _spawn(name, d, ["join", net.run_id, "--bootstrap", net.bootstrap_addr,
+                            "--listen", LOOPBACK, *(extra_args or [])], net.detached, env, topo)
+    net.procs.append(proc)
+    net.save()
+    return proc
+
+
+def topology(net: Testnet) -> ns.Topology | None:
+    return ns.Topology.from_json(net.netns) if net.netns else None
+
+
+def partition(net: Testnet, side: list[str] | None = None) -> list[list[str]]:
+    """Cut the testnet in two: `side` (default: the second half of the nodes) against the
+    rest. Dials across fail at once and open connections across are aborted."""
+    topo = topology(net)
+    if topo is None:
+        raise TestnetError("this testnet has no network namespaces; start it with "
+                           "`node testnet up --scenario partition` (as root)")
+    if not side:
+        nodes = [p.name for p in net.procs if p.name != "bootstrap"]
+        side = nodes[(len(nodes) + 1) // 2:]
+    try:
+        cut = ns.partition(topo, side)
+    except ns.NetnsError as e:
+        raise TestnetError(str(e)) from e
+    finally:  # a half-made cut is recorded too, so that `heal` removes it
+        net.netns = topo.to_json()
+        net.save()
+    return cut
+
+
+def heal(net: Testnet) -> None:
+    """Undo `partition`: every namespace reaches every other again."""
+    topo = topology(net)
+    if topo is None:
+        raise TestnetError("this testnet has no network namespaces to heal")
+    ns.heal(topo)
+    net.netns = topo.to_json()
+    net.save()
