@@ -36,6 +36,7 @@ from protocols.errors import RemoteProtocolError
 log = logging.getLogger("node.averaging")
 
 PROTOCOL_ID = av.PROTOCOL_ID
+LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
 
 
 @dataclass
@@ -72,10 +73,11 @@ class Averager:
         self.rejected: list[str] = []
         self._rounds: dict[int, _Round] = {}
         self._current = 0
-        # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed once:
-        # then that partner gets the libp2p stream (which also crosses relays and NATs).
+        # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
+        # last LANE_RETRY_S: then that partner gets the libp2p stream (which also crosses
+        # relays and NATs). Partner -> when its lane failed (time.monotonic()).
         self.lanes = lanes
-        self.lane_failed: set[str] = set()
+        self.lane_failed: dict[str, float] = {}
         self.lane_host = _listen_host(substrate)
         substrate.set_handler(PROTOCOL_ID, self._handle)
 
@@ -97,6 +99,15 @@ class Averager:
         if self.neighbours is not None:
             return neighbours_of(self.me, r, peers, self.neighbours)
         return [p for p in group_of(self.me, r, peers, self.group_size) if p != self.me]
+
+    def _lane_for(self, partner: str) -> bool:
+        """Offer a bulk lane to `partner`? Not for LANE_RETRY_S after one failed: a lane
+        that failed (a firewall, a NAT) usually fails again, but networks change."""
+        failed = self.lane_failed.get(partner)
+        if failed is not None and time.monotonic() - failed >= LANE_RETRY_S:
+            del self.lane_failed[partner]
+            failed = None
+        return self.lanes and failed is None
 
     def deadline(self, partner: str, numel: int) -> float:
         """Expected transfer (4x margin) plus the skew a partner may have at the boundary."""
@@ -166,7 +177,7 @@ class Averager:
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
         stream = await self.substrate.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
-            lanes = (av.LANE_TCP,) if self.lanes and partner not in self.lane_failed else ()
+            lanes = (av.LANE_TCP,) if self._lane_for(partner) else ()
             ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs,
                              lanes=lanes)
             await stream.write(ex.initiate())
@@ -181,9 +192,9 @@ class Averager:
                 host = stream.get_remote_address()[0]
                 lane = await connect_lane(host, event.lane.port, event.lane.key, timeout=2.0)
             except (OSError, trio.TooSlowError, TypeError) as e:
-                self.lane_failed.add(partner)
-                raise RemoteProtocolError(f"bulk lane unreachable ({e!r}); "
-                                          "next rounds use the libp2p stream") from e
+                self.lane_failed[partner] = time.monotonic()
+                raise RemoteProtocolError(f"bulk lane unreachable ({e!r}); the libp2p "
+                                          f"stream for {LANE_RETRY_S:.0f} s") from e
             try:
                 return await self._swap(lane, ex, snapshot)
             finally:
