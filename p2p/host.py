@@ -250,13 +250,14 @@ def _remote_peer(stream: INetStream) -> str:
 def _dial_reason(e: BaseException) -> str:
     """Dig the root cause out of py-libp2p's wrapped dial errors."""
     seen = e
-    while seen.__cause__ is not None:
-        seen = seen.__cause__
-    exceptions = getattr(seen, "exceptions", None)
-    if exceptions:
-        seen = exceptions[0]
-        while seen.__cause__ is not None:
+    for _ in range(16):  # causes, ExceptionGroups and py-libp2p's MultiError, first of each
+        inner = getattr(seen, "exceptions", None) or getattr(seen, "errors", None)
+        if seen.__cause__ is not None:
             seen = seen.__cause__
+        elif inner and isinstance(inner[0], BaseException):
+            seen = inner[0]
+        else:
+            break
     text = str(seen) or type(seen).__name__
     if "refused" in text.lower() or isinstance(seen, ConnectionRefusedError):
         return "connection refused (is a node listening there?)"

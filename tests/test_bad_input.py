@@ -39,6 +39,7 @@ def test_unreachable_bootstrap(tmp_path):
                 "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}", "--no-train")
     assert r.returncode == 3, r.stderr
     assert "could not reach any bootstrap peer" in r.stderr
+    assert "connection refused" in r.stderr  # the cause, dug out of py-libp2p's wrappers
     assert "Traceback" not in r.stderr
 
 
