@@ -112,7 +112,8 @@ def pull(
             "chunks_local": res.chunks_local if res else len(m.chunks),
             "seconds": round(res.seconds, 3) if res else 0.0, "mb_s": round(r.mb_s, 1),
             "providers": providers, "dropped": res.failures if res else {},
-            "unreachable": r.unreachable, "store": str(store.root)}))
+            "unreachable": r.unreachable, "dht_providers": r.dht_providers,
+            "store": str(store.root)}))
         return
     for addr, why in r.unreachable.items():
         err.print(f"[yellow]warning:[/] could not reach {addr}: {why}", highlight=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import base58
 import trio
@@ -45,6 +45,7 @@ class FetchReport:
     already_held: bool
     result: ckpt_sync.PullResult | None  # None when the checkpoint was already here
     unreachable: dict[str, str]  # peer address -> why it could not be dialed
+    dht_providers: list[str] = field(default_factory=list)  # provider records found (--bootstrap)
 
     @property
     def mb_s(self) -> float:
@@ -147,11 +148,13 @@ async def _fetch(
         )
     providers = [reached[a] for a in peers if a in reached]
     announced = 0
+    dht_providers: list[str] = []
     if bootstrap:
         assert substrate.dht is not None
         await substrate.dht.bootstrap()
         found = await substrate.dht.find_providers(f"ckpt/{cid}")
         peerstore = substrate.host.get_peerstore() if substrate.host else None
+        dht_providers = [info.peer_id.to_base58() for info in found]
         for info in found:
             if info.peer_id == substrate.peer_id or info.peer_id in providers:
                 continue
@@ -209,7 +212,7 @@ async def _fetch(
             raise CheckpointError(
                 f"checkpoint {cid} fails verification after the pull:\n  " + "\n  ".join(problems)
             )
-    return FetchReport(cid, result.manifest, False, result, unreachable)
+    return FetchReport(cid, result.manifest, False, result, unreachable, dht_providers)
 
 
 def _check_run(run: str | None) -> Callable[[ck.CheckpointManifest], None]:

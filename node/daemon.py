@@ -48,10 +48,12 @@ from protocols import heartbeat as hb
 from protocols import keys, records
 from protocols import manifest as mf
 from protocols.errors import RemoteProtocolError
+from protocols.rundoc import checkpoint_index, ckpt_key
 
 log = logging.getLogger("node")
 
 ADDRS_FILE = "addrs.json"
+PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint providers
 
 
 SWITCH_INTERVAL_S = 0.0002
@@ -211,7 +213,13 @@ class Node:
         assert run_id is not None
         # a clear error and exit, not a silent idle node
         check_swarm_algorithm(manifest, self.config.attack)
+        self._nursery = nursery
         latest = self.checkpoints.latest(run_id) or await self._fetch_swarm_checkpoint(run_id)
+        # Whatever we hold, written before a restart or just pulled, the next joiner can
+        # fetch from us too (until retention drops it: _unannounce).
+        for cid, _ in self.checkpoints.list(run_id):
+            if self.substrate.dht is not None:
+                nursery.start_soon(self.substrate.dht.provide, f"ckpt/{cid}")
         if manifest.outer.algorithm != "none":
             self.averager = Averager(
                 self.substrate, run_id, self.peer_id,
@@ -235,7 +243,6 @@ class Node:
 
             self.history = HistoryGossip(self.substrate, run_id, self.signer,
                                          lambda: self.training.outer if self.training else None)
-        self._nursery = nursery
         nursery.start_soon(self._supervise_training)
         nursery.start_soon(self._time_first_step)
 
@@ -263,17 +270,18 @@ class Node:
         with trio.move_on_after(sync_wait_s):  # bounded: a first node has nobody to sync with
             while self.rundoc.syncs == 0:
                 await trio.sleep(0.1)
-        entries = [(v.get("step", 0), k.split("/", 1)[1], e.writer)
-                   for k, v in self.rundoc.doc.items("ckpt/")
-                   if isinstance(v, dict) and (e := self.rundoc.doc.entry(k)) is not None]
+        entries = checkpoint_index(self.rundoc.doc)
         if not entries:
             self.phase = "running"
             return None
-        step, cid, writer = max(entries)
+        step, cid, writer = entries[-1]
         dht = self.substrate.dht
         assert dht is not None
         self.phase = "finding providers"
-        providers = [p.peer_id for p in await dht.find_providers(f"ckpt/{cid}")]
+        # Bounded: the writer and our connected peers are asked anyway (below), and a
+        # lookup that meets a dead peer would otherwise wait out the whole query timeout.
+        found = await dht.find_providers(f"ckpt/{cid}", timeout=PROVIDER_LOOKUP_S)
+        providers = [p.peer_id for p in found]
         for extra in [ID.from_base58(writer), *self.substrate.connected_peers()]:
             if extra not in providers and extra != self.substrate.peer_id:
                 providers.append(extra)
@@ -305,28 +313,41 @@ class Node:
         assert manifest is not None and run_id is not None and self.training is not None
         store = self.checkpoints
 
-        def write() -> str:
+        def write() -> tuple[str, set[str]]:
             cid = store.save(run_id, snapshot.step, snapshot.tensors,
                              {"peer": self.peer_id})
+            before = {c for c, _ in store.list(run_id)}
             store.retain(run_id, manifest.checkpoint.keep)
-            return cid
+            return cid, before - {c for c, _ in store.list(run_id)}
 
         try:
-            cid = await trio.to_thread.run_sync(write)
+            cid, dropped = await trio.to_thread.run_sync(write)
         except NodeError as e:  # a full disk costs this checkpoint, never the node
             log.error("%s", e)
             return
         self.training.stats.checkpoints += 1
         self.training.stats.last_checkpoint = cid
         log.info("checkpoint %s at step %d", cid, snapshot.step)
+        self._unannounce(run_id, dropped)
         if self.rundoc is not None:
             now = time.time_ns() // 1_000_000
             m = store.manifest(cid)
-            delta = self.rundoc.doc.set(f"ckpt/{cid}", {"hash": cid, "step": m.step,
-                                                        "size": m.size}, now)
+            delta = self.rundoc.doc.set(ckpt_key(self.peer_id, cid),
+                                        {"hash": cid, "step": m.step, "size": m.size}, now)
             self.publisher.publish_nowait(rundoc_topic(run_id), delta)
         if self.substrate.dht is not None:
             await self.substrate.dht.provide(f"ckpt/{cid}")
+
+    def _unannounce(self, run_id: str, dropped: set[str]) -> None:
+        """Retention deleted these checkpoints: stop providing them, and delete our run
+        document entries for them (so the index stays as small as what is held)."""
+        for cid in dropped:
+            if self.substrate.dht is not None:
+                self.substrate.dht.stop_providing(f"ckpt/{cid}")
+            key = ckpt_key(self.peer_id, cid)
+            if self.rundoc is not None and self.rundoc.doc.get(key) is not None:
+                delta = self.rundoc.doc.delete(key, time.time_ns() // 1_000_000)
+                self.publisher.publish_nowait(rundoc_topic(run_id), delta)
 
     def _step_time(self) -> float:
         t = self.training.stats if self.training else None

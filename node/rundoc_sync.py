@@ -96,7 +96,8 @@ class RunDocSync:
         out = {}
         for peer, wall_ms in self.doc.members(now_ms(), int(ttl_s * 1000)).items():
             prefix = f"peer/{peer}/"
-            info = {k[len(prefix):]: v for k, v in self.doc.items(prefix)}
+            info = {k[len(prefix):]: v for k, v in self.doc.items(prefix)
+                    if "/" not in k[len(prefix):]}  # not peer/<id>/ckpt/<cid>
             info["last_seen_ms"] = wall_ms
             out[peer] = info
         return out
@@ -123,10 +124,14 @@ class RunDocSync:
         me = self.signer.peer_id
         while True:
             t = now_ms()
-            for name, value in {**self.own_entries(), "last_seen": t}.items():
-                self.doc.set(f"peer/{me}/{name}", value, t)
-            self.publisher.publish_nowait(topic(self.run_id),
-                                          self.doc.encode_delta(self.doc.entries(f"peer/{me}/")))
+            own = {f"peer/{me}/{name}": value
+                   for name, value in {**self.own_entries(), "last_seen": t}.items()}
+            for key, value in own.items():
+                self.doc.set(key, value, t)
+            # Only what this loop writes: other own entries (checkpoints) are published when
+            # written, and anti-entropy repairs what gossip lost.
+            entries = [e for key in own if (e := self.doc.entry(key)) is not None]
+            self.publisher.publish_nowait(topic(self.run_id), self.doc.encode_delta(entries))
             await trio.sleep(self.announce_s)
 
     async def _listen(self) -> None:

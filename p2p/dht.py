@@ -107,8 +107,11 @@ class DHT:
     def stop_providing(self, key: str) -> None:
         self._provided.discard(key)
 
-    async def find_providers(self, key: str, count: int = 20) -> list[PeerInfo]:
-        """Providers of `key`, local and from the network, one entry per peer."""
+    async def find_providers(self, key: str, count: int = 20,
+                             timeout: float | None = None) -> list[PeerInfo]:
+        """Providers of `key`, local and from the network, one entry per peer: what was found
+        within `timeout` (default query_timeout; a dead peer in the routing table can hold
+        a lookup that long)."""
         encoded = _kad._encode_key(key)
         found: dict[ID, PeerInfo] = {}
 
@@ -121,7 +124,7 @@ class DHT:
                     known.addrs.extend(a for a in info.addrs if a not in known.addrs)
 
         add(self.kad.provider_store.get_providers(encoded))
-        with trio.move_on_after(self.query_timeout):
+        with trio.move_on_after(self.query_timeout if timeout is None else timeout):
             peers = await self.kad.peer_routing.find_closest_peers_network(encoded)
             async with trio.open_nursery() as nursery:
                 for peer in peers:

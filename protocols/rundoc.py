@@ -127,6 +127,7 @@ def authorize(entry: Entry, admins: frozenset[str] | set[str]) -> str | None:
     peer/<id>/<name...>   only <id>             stage/<n>        admins (the stage plan)
     run/<name...>         admins                stage/<n>/<id>   only <id> (its claim on n)
     ckpt/<cid>            anyone; the value is a map whose "hash" is <cid>; deletion: admins
+    peer/<id>/ckpt/<cid>  only <id>, the same hash rule; <id> deletes it (retention)
     """
     key, writer = entry.key, entry.writer
     if not _KEY_RE.fullmatch(key) or len(key.encode()) > MAX_KEY_BYTES:
@@ -134,7 +135,11 @@ def authorize(entry: Entry, admins: frozenset[str] | set[str]) -> str | None:
     parts = key.split("/")
     head, n = parts[0], len(parts)
     if head == "peer" and n >= 3:
-        return None if parts[1] == writer else f"only {parts[1]} may write its peer/ namespace"
+        if parts[1] != writer:
+            return f"only {parts[1]} may write its peer/ namespace"
+        if n == 4 and parts[2] == "ckpt" and not entry.tombstone:
+            return _hash_problem(entry, parts[3])
+        return None
     if head == "run" and n >= 2:
         return None if writer in admins else "run/ keys are writable by admins only"
     if head == "stage" and n in (2, 3) and parts[1].isdecimal():
@@ -144,14 +149,42 @@ def authorize(entry: Entry, admins: frozenset[str] | set[str]) -> str | None:
     if head == "ckpt" and n == 2:
         if entry.tombstone:
             return None if writer in admins else "ckpt/ entries are deleted by admins only"
-        try:
-            value = entry.value
-        except RemoteProtocolError as e:
-            return str(e)
-        if not isinstance(value, dict) or value.get("hash") != parts[1]:
-            return f"ckpt value's hash field must equal {parts[1]!r}"
-        return None
+        return _hash_problem(entry, parts[1])
     return "unknown key namespace"
+
+
+def _hash_problem(entry: Entry, cid: str) -> str | None:
+    """A checkpoint entry's value must be a map whose "hash" is the cid in its key."""
+    try:
+        value = entry.value
+    except RemoteProtocolError as e:
+        return str(e)
+    if not isinstance(value, dict) or value.get("hash") != cid:
+        return f"ckpt value's hash field must equal {cid!r}"
+    return None
+
+
+def ckpt_key(peer: str, cid: str) -> str:
+    """Where a peer announces a checkpoint it wrote: its own namespace, so that it can
+    delete the entry when retention drops the checkpoint, and GC drops it with the peer."""
+    return f"peer/{peer}/ckpt/{cid}"
+
+
+def checkpoint_index(doc: RunDocument) -> list[tuple[int, str, str]]:
+    """(step, cid, writer) of every checkpoint the document lists (`ckpt/<cid>` and
+    `peer/<id>/ckpt/<cid>`), oldest step first. Steps are only as true as their writer."""
+    found = []
+    for e in doc.entries():
+        parts = e.key.split("/")
+        if e.tombstone or not (
+            (parts[0] == "ckpt" and len(parts) == 2)
+            or (parts[0] == "peer" and len(parts) == 4 and parts[2] == "ckpt")
+        ):
+            continue
+        value = e.value
+        step = value.get("step", 0)
+        found.append((step if _is_int(step) else 0, parts[-1], e.writer))
+    return sorted(found)
 
 
 @dataclass(slots=True)

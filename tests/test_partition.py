@@ -97,13 +97,13 @@ def test_split_halves_keep_training_and_converge_after_heal(
     def new_checkpoint_in_b() -> str | None:
         for p in b:
             cid = (status(p).get("training") or {}).get("last_checkpoint")
-            stamp = stamps(p).get(f"ckpt/{cid}")
+            stamp = stamps(p).get(f"peer/{ids[p.name]}/ckpt/{cid}")
             if cid and stamp and stamp[0] > split_ms:
-                return cid
+                return cid, f"peer/{ids[p.name]}/ckpt/{cid}"
         return None
 
-    cid_b = wait_until(new_checkpoint_in_b, 120, "half B to checkpoint during the split")
-    assert f"ckpt/{cid_b}" not in stamps(a[0])  # the split is real for the run document
+    cid_b, key_b = wait_until(new_checkpoint_in_b, 120, "half B to checkpoint during the split")
+    assert key_b not in stamps(a[0])  # the split is real for the run document
 
     snapshot = union([stamps(p) for p in nodes])
     r = run_cli("testnet", "heal", "--dir", net.dir)

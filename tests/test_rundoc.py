@@ -17,6 +17,7 @@ from protocols.rundoc import (
     RunDocument,
     Stamp,
     authorize,
+    checkpoint_index,
     sign_entry,
     signed_payload,
 )
@@ -28,7 +29,7 @@ ADMINS = {ADMIN.peer_id}
 PIDS = [s.peer_id for s in SIGNERS]
 T0 = 1_700_000_000_000
 NOW = T0 + 1_000_000
-KINDS = ["own", "ckpt", "run", "stage"]
+KINDS = ["own", "ckpt", "own-ckpt", "run", "stage"]
 
 
 def new_doc(i: int = 0, **limits) -> RunDocument:
@@ -52,11 +53,15 @@ def write(doc: RunDocument, kind: str, v: int, delete: bool, now: int) -> bytes:
         key = "stage/1" if admin else f"stage/1/{pid}"
     elif kind == "ckpt":
         key, delete = "ckpt/c1", delete and admin
+    elif kind == "own-ckpt":  # announced in the writer's namespace, deleted by it
+        key = f"peer/{pid}/ckpt/c{v % 2}"
     else:
         key = f"peer/{pid}/k{v % 2}"
     if delete:
         return doc.delete(key, now)
-    return doc.set(key, {"hash": "c1", "v": v} if key == "ckpt/c1" else v, now)
+    if "ckpt" in key:
+        return doc.set(key, {"hash": key.rsplit("/", 1)[1], "v": v}, now)
+    return doc.set(key, v, now)
 
 
 def oracle(deltas: list[bytes]) -> dict[str, bytes]:
@@ -294,6 +299,9 @@ P1, P2 = PIDS[1], PIDS[2]
         (lambda: entry(1, "ckpt/bafy2", {"hash": "bafy9"}), "hash"),
         (lambda: entry(1, "ckpt/bafy2", "bafy2"), "hash"),
         (lambda: entry(1, "ckpt/bafy1", None, tombstone=True), "admins"),
+        (lambda: entry(1, f"peer/{P1}/ckpt/bafy2", {"hash": "bafy9"}), "hash"),
+        (lambda: entry(1, f"peer/{P2}/ckpt/bafy2", {"hash": "bafy2"}), "only"),
+        (lambda: entry(1, f"peer/{P2}/ckpt/bafy2", None, tombstone=True), "only"),
         (lambda: entry(1, "elsewhere/x", 1), "namespace"),
         (lambda: entry(1, f"peer//{P1}", 1), "malformed key"),
         (lambda: entry(1, f"peer/{P1}/a b", 1), "malformed key"),
@@ -396,6 +404,23 @@ def test_authorize_is_pure_and_readable():
     assert authorize(entry(0, "run/settings/lr", 1.0), set()) is not None
     assert authorize(entry(2, f"stage/3/{P2}", True), ADMINS) is None
     assert authorize(entry(2, "ckpt/q", {"hash": "q", "step": 1}), ADMINS) is None
+    assert authorize(entry(2, f"peer/{P2}/ckpt/q", {"hash": "q"}), ADMINS) is None
+    assert authorize(entry(2, f"peer/{P2}/ckpt/q", None, tombstone=True), ADMINS) is None
+
+
+def test_checkpoint_index_lists_shared_and_own_entries_newest_last_without_deleted_ones():
+    doc = new_doc(1)
+    doc.set("ckpt/qa", {"hash": "qa", "step": 30}, T0)
+    doc.set(f"peer/{P1}/ckpt/qb", {"hash": "qb", "step": 50}, T0)
+    doc.set(f"peer/{P1}/ckpt/qc", {"hash": "qc", "step": 10}, T0)
+    doc.set(f"peer/{P1}/ckpt/qd", {"hash": "qd", "step": "garbage"}, T0)
+    doc.set(f"peer/{P1}/addrs", ["/ip4/127.0.0.1/tcp/1"], T0)  # not a checkpoint
+    assert checkpoint_index(doc) == [(0, "qd", P1), (10, "qc", P1), (30, "qa", P1),
+                                     (50, "qb", P1)]
+    replica = new_doc(2)
+    replica.merge(full(doc), NOW)
+    replica.merge(doc.delete(f"peer/{P1}/ckpt/qb", T0 + 1), NOW)  # retention dropped it
+    assert checkpoint_index(replica)[-1] == (30, "qa", P1)
 
 
 # -- reads, GC, membership, persistence -------------------------------------------------------

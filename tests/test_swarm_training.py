@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -167,13 +168,16 @@ def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path
     manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 200\nkeep = 2\n")
     net = testnet_factory(1, manifest=manifest)
     node = nodes(net)[0]
-    wait_until(lambda: training(node).get("checkpoints", 0) >= 2, 60, "two checkpoints")
+    wait_until(lambda: training(node).get("checkpoints", 0) >= 3, 90, "three checkpoints")
     r = run_cli("ckpt", "ls", "--state-dir", node.state_dir)
     assert r.returncode == 0 and "Qm" in r.stdout, r.stderr
     cid = training(node)["last_checkpoint"]
     assert run_cli("ckpt", "verify", cid, "--state-dir", node.state_dir).returncode == 0
     st = query_control(Path(node.state_dir))
-    assert st["run_document"]["entries"] >= 6  # own peer entries + the ckpt/<cid> entries
+    assert st["run_document"]["entries"] >= 6  # own peer entries + peer/<id>/ckpt/<cid>
+    # keep = 2: the first checkpoint was deleted, and so was its run-document entry
+    wait_until(lambda: query_control(Path(node.state_dir))["run_document"]["tombstones"] >= 1,
+               30, "retention to delete the first checkpoint's entry")
     launcher.kill_node(net, "node1")
     wait_until(lambda: not launcher.alive(node.pid, node.state_dir), 10, "node1 to die")
     launcher.restart_node(net, "node1")
@@ -200,3 +204,13 @@ def test_a_node_joining_mid_run_downloads_the_newest_checkpoint(testnet_factory,
     assert "fetched checkpoint" in log and "resumed from checkpoint" in log, log[-3000:]
     st = query_control(state)
     assert st["download"]["done"] == st["download"]["total"] > 0
+
+    probes = iter(range(1000))
+
+    def latecomer_provides() -> bool:  # what a second joiner would find in the DHT
+        fresh = tmp_path / f"probe{next(probes)}"  # an empty store: a held cid skips the DHT
+        r = run_cli("ckpt", "pull", st["download"]["cid"], "--bootstrap", net.bootstrap_addr,
+                    "--state-dir", str(fresh), "--json")
+        return r.returncode == 0 and st["peer_id"] in json.loads(r.stdout)["dht_providers"]
+
+    wait_until(latecomer_provides, 60, "the latecomer to provide the checkpoint it pulled")

@@ -157,7 +157,7 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
             node1 = next(p for p in net.procs if p.name == "node1")
             with console.status("training until the run document lists a checkpoint"):
                 _until(
-                    lambda: any(k.startswith("ckpt/") for k in _ask(node1.state_dir, "rundoc")),
+                    lambda: any("/ckpt/" in k for k in _ask(node1.state_dir, "rundoc")),
                     600,
                     "a first checkpoint",
                 )
