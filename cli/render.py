@@ -43,33 +43,42 @@ def node_status_table(st: dict[str, Any]) -> Group:
     return Group(head, Text(""), peers)
 
 
-def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
+def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = None) -> Table:
     """One row per testnet process; `rows` come from `testnet.launcher.collect_status`.
 
     Classification runs (the sybil scenario) get accuracy, attack-success and the weight
-    this node's aggregator gave to sybils in place of the partner and traffic columns."""
-    table = Table(title=title, title_justify="left")
+    this node's aggregator gave to sybils in place of the partner and traffic columns.
+    Partners are named by their testnet names. Below 100 columns of `width` the table drops
+    its borders and the peer-id column, so that it fits an 80-column terminal."""
+    compact = width is not None and width < 100
+    table = (Table(title=title, title_justify="left", box=None, pad_edge=False,
+                   header_style="bold underline") if compact
+             else Table(title=title, title_justify="left"))
     robust = any(((r.get("status") or {}).get("training") or {}).get("val_metrics", {})
                  and "accuracy" in r["status"]["training"]["val_metrics"] for r in rows)
-    sybils = {(r.get("status") or {}).get("peer_id") for r in rows if r["name"].startswith("sybil")}
-    columns = (("node", "id", "phase", "peers", "step", "loss", "acc", "flip", "backdoor",
-                "sybil weight") if robust else
-               ("node", "id", "phase", "peers", "step", "loss", "val", "partner",
-                "MB out/in", "compute"))
+    names = {st["peer_id"]: r["name"] for r in rows if (st := r.get("status"))}
+    sybils = {pid for pid, name in names.items() if name.startswith("sybil")}
+    columns = (["node", "id", "phase", "peers", "step", "loss", "acc", "flip", "backdoor",
+                "sybil weight"] if robust else
+               ["node", "id", "phase", "peers", "step", "loss", "val", "partner",
+                "MB out/in", "compute"])
+    if compact:
+        columns.remove("id")
     for col in columns:
         table.add_column(col, no_wrap=True,
                          justify="left" if col in ("node", "id", "phase", "partner") else "right")
     for r in rows:
         st = r.get("status")
         if st is None:
-            table.add_row(r["name"], "-", Text(r.get("error", "down"), "red"),
-                          *["-"] * (len(columns) - 3))
+            table.add_row(r["name"], *["-"] * (not compact), Text(r.get("error", "down"), "red"),
+                          *["-"] * (len(columns) - 3 + compact))
             continue
         t = st.get("training") or {}
         phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
-        phase_text = Text(phase or "-", "green" if phase in ("running", "training") else "yellow")
+        style = "green" if phase in ("running", "training") else "yellow"
+        phase_text = Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style)
         peers = "-" if st["role"] == "bootstrap" else str(len(st["peers"]))
-        head = (r["name"], short(st["peer_id"]), phase_text, peers,
+        head = (r["name"], *[short(st["peer_id"])] * (not compact), phase_text, peers,
                 _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"))
         if robust:
             vm = t.get("val_metrics") or {}
@@ -78,10 +87,21 @@ def testnet_table(rows: list[dict[str, Any]], title: str) -> Table:
                           _sybil_weight(t.get("aggregation"), sybils))
             continue
         table.add_row(
-            *head, _num(t.get("val_loss"), "{:.3f}"), short(t.get("last_partner")),
+            *head, _num(t.get("val_loss"), "{:.3f}"), _partners(t.get("last_partner"), names),
             _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
             _num(t.get("compute_fraction"), "{:.0%}"))
     return table
+
+
+_SHORT_PHASES = {"downloading checkpoint": "download", "finding providers": "providers",
+                 "syncing state": "syncing"}  # for the compact table
+
+
+def _partners(last: str | None, names: dict[str, str]) -> str:
+    """The last round's partners ("a,b" for gossip learning) by testnet name where known."""
+    if not last:
+        return "-"
+    return ",".join(names.get(p) or short(p) for p in last.split(","))
 
 
 def _sybil_weight(aggregation: dict[str, Any] | None, sybils: set[str | None]) -> str:

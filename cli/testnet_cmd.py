@@ -82,7 +82,8 @@ def up(
         with Live(console=out, refresh_per_second=2, transient=False) as live:
             while True:
                 live.update(testnet_table(launcher.collect_status(net),
-                                          f"testnet {net.run_id} (Ctrl-C stops it)"))
+                                          f"testnet {net.run_id} (Ctrl-C stops it)",
+                                          width=out.width))
                 time.sleep(1.0)
     except KeyboardInterrupt:
         pass
@@ -112,7 +113,7 @@ def status(
         print(json.dumps({"run": net.run_id, "dir": net.dir, "partition": cut,
                           "processes": rows}, indent=2))
     else:
-        out.print(testnet_table(rows, f"testnet {net.run_id}"))
+        out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width))
 
 
 @app.command()

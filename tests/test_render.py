@@ -1,0 +1,52 @@
+"""The testnet table: readable in an 80-column terminal, partners named as the testnet names
+them, a node that does not answer shown as such."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from cli import render as r
+
+IDS = [f"12D3KooW{c * 44}" for c in "ABCDE"]
+
+
+def node(i: int, partner: int) -> dict:
+    training = {"phase": "training", "step": 1234, "loss": 2.2345, "val_loss": 2.3456,
+                "last_partner": IDS[partner], "bytes_sent": 12_000_000,
+                "bytes_received": 11_000_000, "compute_fraction": 0.995}
+    return {"name": f"node{i}", "status": {"peer_id": IDS[i], "phase": "running",
+                                            "role": "node", "peers": [1, 2, 3],
+                                            "training": training}}
+
+
+ROWS = [
+    {"name": "bootstrap", "status": {"peer_id": IDS[0], "phase": "running", "role": "bootstrap",
+                                     "peers": [1, 2, 3, 4], "training": None}},
+    node(1, 2), node(2, 1), node(3, 4),
+    {"name": "node4", "error": "not answering"},
+]
+
+
+def table(width: int) -> list[str]:
+    console = Console(width=width, record=True)
+    console.print(r.testnet_table(ROWS, "testnet Qm...", width=width))
+    return console.export_text().splitlines()
+
+
+def test_an_80_column_terminal_gets_every_value_whole():
+    lines = table(80)
+    assert all(len(line.rstrip()) <= 80 for line in lines)
+    assert lines[1].split() == ["node", "phase", "peers", "step", "loss", "val", "partner",
+                                "MB", "out/in", "compute"]  # no header cut short
+    node1 = next(line for line in lines if line.startswith("node1"))
+    assert node1.split() == ["node1", "training", "3", "1234", "2.235", "2.346", "node2",
+                             "12/11", "100%"]
+    assert "not answering" in next(line for line in lines if line.startswith("node4"))
+    # a partner outside the testnet keeps its short peer id
+    assert "…" + IDS[4][-6:] in next(line for line in lines if line.startswith("node3"))
+
+
+def test_a_wide_terminal_also_gets_peer_ids():
+    text = "\n".join(table(140))
+    assert "id" in text.split("\n")[2] and IDS[1][-6:] in text
+    assert "node4" in text and "not answering" in text
