@@ -612,3 +612,23 @@ def test_sampling_skips_the_neighbour_and_what_it_told_us():
     lonely = HistoryTable("me", numel=N)
     lonely.observe_direct("a", 1, {"w": torch.zeros(N)})
     assert lonely.sample_for("a", rng) is None
+
+
+def test_rounds_are_bounded_a_future_round_is_refused_and_old_entries_expire():
+    t = HistoryTable("me", numel=N, max_ahead=8, max_age=64)
+    t.begin_round(10)
+    assert "rounds past ours" in t.offer("s", entry("pinned", round=10**9))
+    assert t.offer("s", entry("soon", round=18)) is None  # clock skew between peers is fine
+    assert t.offer("s", entry("now", round=10)) is None
+    t.observe_direct("direct", 10, {"w": torch.zeros(N)})
+    t.begin_round(74)  # 10 is exactly max_age behind: kept
+    assert {"soon", "now", "direct"} <= set(t.entries)
+    t.begin_round(75)
+    assert set(t.entries) == {"soon"}  # forgotten: gossiped and direct alike
+
+
+def test_an_entry_taken_before_our_first_round_cannot_pin_itself():
+    t = HistoryTable("me", numel=N)
+    assert t.offer("s", entry("pinned", round=10**9)) is None  # we have no round yet
+    t.begin_round(3)
+    assert "pinned" not in t.entries

@@ -7,7 +7,9 @@ cannot push past: no entry about ourselves or about the sender, a stored distanc
 most `max_distance`, the vector length of our own model, finite values, direct entries
 never overwritten by gossip, gossiped ones only by a newer round, at most
 `max_per_sender_per_round` offers per sender per round, and at most `max_peers` entries
-(the oldest gossiped one is evicted first).
+(the oldest gossiped one is evicted first). Rounds are bounded too: an entry may claim at
+most `max_ahead` rounds past ours (a huge round would otherwise pin it, since only a newer
+round replaces it), and an entry older than `max_age` rounds is forgotten.
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ class HistoryTable:
         max_peers: int = 1024,
         max_per_sender_per_round: int = 4,
         lam: float = LAMBDA,
+        max_ahead: int = 8,
+        max_age: int = 64,
     ) -> None:
-        if max_distance < 2 or max_peers < 1 or max_per_sender_per_round < 1 or lam <= 0:
+        if (max_distance < 2 or max_peers < 1 or max_per_sender_per_round < 1 or lam <= 0
+                or max_ahead < 0 or max_age < 1):
             raise ValueError(
-                "max_distance >= 2, max_peers >= 1, max_per_sender_per_round >= 1 "
-                "and lam > 0 are required"
+                "max_distance >= 2, max_peers >= 1, max_per_sender_per_round >= 1, "
+                "lam > 0, max_ahead >= 0 and max_age >= 1 are required"
             )
+        self.max_ahead, self.max_age = max_ahead, max_age
         self.self_id = self_id
         self.reference = flat(reference) if reference is not None else None
         if self.reference is not None and numel is not None and numel != self.reference.numel():
@@ -71,10 +77,14 @@ class HistoryTable:
         self._offers: Counter[str] = Counter()  # offers per sender in `round`
 
     def begin_round(self, round: int) -> None:
-        """Our round advanced: the per-sender flood budget starts again."""
+        """Our round advanced: the per-sender flood budget starts again, and entries
+        older than `max_age` rounds (or, taken before we knew our round, too far ahead of
+        it) are forgotten."""
         if round > self.round:
             self.round = round
             self._offers.clear()
+            self.entries = {p: e for p, e in self.entries.items()
+                            if round - self.max_age <= e.round <= round + self.max_ahead}
 
     def observe_direct(self, peer: str, round: int, state: State) -> None:
         """A neighbour's model arrived: its history becomes w − w_0 (or w), at distance 1.
@@ -111,6 +121,8 @@ class HistoryTable:
             return f"absurd distance {d!r} (at most {self.max_distance - 1} for the sender)"
         if type(entry.round) is not int or entry.round < 0:
             return f"round {entry.round!r} is not a non-negative int"
+        if self.round and entry.round > self.round + self.max_ahead:
+            return f"round {entry.round} is over {self.max_ahead} rounds past ours ({self.round})"
         if self.numel is None:
             return "no history length yet: we have observed no model"
         if not isinstance(entry.vector, torch.Tensor) or entry.vector.numel() != self.numel:
