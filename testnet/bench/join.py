@@ -121,8 +121,9 @@ def _findings(results: list[dict[str, Any]]) -> str:
         notes.append(
             f"Every checkpoint came from 1 of the {results[0]['providers']} providers asked: "
             "in a NoLoCo swarm each node checkpoints its own weights, so a checkpoint has one "
-            "holder, its writer, and a joiner that pulled it does not announce it. The parallel "
-            "pull only helps when several peers hold the same checkpoint (`node bench pull`)."
+            "holder, its writer, until a joiner pulls it (a joiner provides what it holds, but "
+            "this benchmark stops each joiner before the next starts). The parallel pull helps "
+            "when several peers hold the same checkpoint (`node bench pull`)."
         )
     finds = [r["find"] for r in results]
     if len(finds) > 1 and finds[-1] > 2 * finds[0] + 1:
@@ -130,7 +131,8 @@ def _findings(results: list[dict[str, Any]]) -> str:
             "find providers grows with each joiner ("
             + ", ".join(f"{f:.1f}" for f in finds)
             + " s): the joiners stopped before it are still in the DHT routing tables, and "
-            "the lookup waits on them up to its 10 s query timeout."
+            "the lookup waits on them until it gives up (3 s for a join's lookup; the writer "
+            "and connected peers are asked anyway)."
         )
     notes.append(
         "discover is mostly `import torch`, done once the node is visible (6.7 s of a "
