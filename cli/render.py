@@ -70,26 +70,31 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
     for r in rows:
         st = r.get("status")
         if st is None:
-            table.add_row(r["name"], *["-"] * (not compact), Text(r.get("error", "down"), "red"),
-                          *["-"] * (len(columns) - 3 + compact))
+            cells: dict[str, Any] = dict.fromkeys(columns, "-")
+            cells.update(node=r["name"], phase=Text(r.get("error", "down"), "red"))
+            table.add_row(*(cells[c] for c in columns))
             continue
         t = st.get("training") or {}
+        vm = t.get("val_metrics") or {}
         phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
         style = "green" if phase in ("running", "training") else "yellow"
-        phase_text = Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style)
-        peers = "-" if st["role"] == "bootstrap" else str(len(st["peers"]))
-        head = (r["name"], *[short(st["peer_id"])] * (not compact), phase_text, peers,
-                _num(t.get("step"), "{:d}"), _num(t.get("loss"), "{:.3f}"))
-        if robust:
-            vm = t.get("val_metrics") or {}
-            table.add_row(*head, _num(vm.get("accuracy"), "{:.1%}"),
-                          _num(vm.get("label_flip"), "{:.1%}"), _num(vm.get("backdoor"), "{:.1%}"),
-                          _sybil_weight(t.get("aggregation"), sybils))
-            continue
-        table.add_row(
-            *head, _num(t.get("val_loss"), "{:.3f}"), _partners(t.get("last_partner"), names),
-            _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
-            _num(t.get("compute_fraction"), "{:.0%}"))
+        cells = {
+            "node": r["name"],
+            "id": short(st["peer_id"]),
+            "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
+            "peers": "-" if st["role"] == "bootstrap" else str(len(st["peers"])),
+            "step": _num(t.get("step"), "{:d}"),
+            "loss": _num(t.get("loss"), "{:.3f}"),
+            "val": _num(t.get("val_loss"), "{:.3f}"),
+            "partner": _partners(t.get("last_partner"), names),
+            "MB out/in": _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
+            "compute": _num(t.get("compute_fraction"), "{:.0%}"),
+            "acc": _num(vm.get("accuracy"), "{:.1%}"),
+            "flip": _num(vm.get("label_flip"), "{:.1%}"),
+            "backdoor": _num(vm.get("backdoor"), "{:.1%}"),
+            "sybil weight": _sybil_weight(t.get("aggregation"), sybils),
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
