@@ -17,6 +17,29 @@ from testnet import launcher
 REPO = Path(__file__).resolve().parents[1]
 
 
+def feed_in_place(core: Any, feed: Callable[[memoryview], None], chunk: memoryview) -> list:
+    """Give `chunk` to a sans-IO core (FrameDecoder, averaging.Exchange) as the lane's reader
+    does: bytes go straight into `core.receive_buffer()` whenever it offers one, through
+    `feed` otherwise. Returns the events that became ready."""
+    from protocols.wire import NEED_DATA
+
+    events = []
+    view = memoryview(chunk)
+    while view:
+        buffer = core.receive_buffer()
+        if buffer is None:
+            feed(view)
+            view = view[len(view) :]
+        else:
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            core.received_into(n)
+            view = view[n:]
+        while (event := core.next_event()) is not NEED_DATA:
+            events.append(event)
+    return events
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
                interval: float = 0.1) -> Any:
     """Poll a condition until it holds or the deadline passes (then fail, saying what)."""

@@ -21,6 +21,7 @@ from protocols.wire import (
     encode_tensor_frame,
     make_tensor_header,
 )
+from tests.conftest import feed_in_place
 
 RUN = "QmRun"
 S = av.State
@@ -165,25 +166,13 @@ def test_a_lane_is_offered_and_chosen():
     refuses(a, bad, "did not offer")
 
 
-def feed_in_place(ex: av.Exchange, data, cuts: list[int] = ()) -> list:
+def feed_lane(ex: av.Exchange, data, cuts: list[int] = ()) -> list:
     """As `feed`, but as the lane's reader: bytes go where receive_buffer() says if it can."""
     data = join(data)
     events = []
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(data)), len(data)]
     for start, end in itertools.pairwise(bounds):
-        view = memoryview(data)[start:end]
-        while view:
-            buffer = ex.receive_buffer()
-            if buffer is None:
-                ex.receive_data(view)
-                view = view[len(view) :]
-            else:
-                n = min(len(buffer), len(view))
-                buffer[:n] = view[:n]
-                ex.received_into(n)
-                view = view[n:]
-            while (event := ex.next_event()) is not NEED_DATA:
-                events.append(event)
+        events += feed_in_place(ex, ex.receive_data, memoryview(data)[start:end])
     return events
 
 
@@ -227,8 +216,8 @@ def test_on_a_lane_tensor_headers_carry_no_crc32():
 def test_receiving_in_place_on_a_lane_gives_the_same_result(codec, numel, chunk, cuts):
     a_vec, b_vec = torch.randn(numel), torch.randn(numel)
     a, b = lane_pair(numel, codec, chunk)
-    events = feed_in_place(b, a.send_vector(a_vec), cuts)
-    feed_in_place(a, b.send_vector(b_vec), cuts)
+    events = feed_lane(b, a.send_vector(a_vec), cuts)
+    feed_lane(a, b.send_vector(b_vec), cuts)
     assert a.state is b.state is S.DONE
     assert isinstance(events[-1], av.PeerDone)
     assert torch.equal(b.received_vector(), expected_after(a_vec, codec, chunk))

@@ -36,6 +36,7 @@ from protocols.wire import (
     tensor_from_payload,
     tensor_payload,
 )
+from tests.conftest import feed_in_place
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -173,19 +174,25 @@ def test_tensor_frames_round_trip_every_dtype(
     assert same_bits(tensor_from_payload(frame.header, frame.payload), t)
 
 
-@FAST
-@given(
-    items=st.lists(st.one_of(envelopes, st.tuples(st.sampled_from(sorted(DTYPES)), shapes))),
-    data=st.data(),
-)
-def test_mixed_stream_round_trips(items: list[Any], data: st.DataObject) -> None:
+def mixed_wire(items: list[Any]) -> bytes:
+    """Envelopes and tensors (dtype, shape), encoded one after the other."""
     wire = bytearray()
     for i, item in enumerate(items):
         if isinstance(item, Envelope):
             wire += encode_envelope(item)
         else:
             wire += wire_of_tensor(make_tensor(*item, seed=i), name=f"t{i}")
-    chunks = cut(bytes(wire), data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
+    return bytes(wire)
+
+
+@FAST
+@given(
+    items=st.lists(st.one_of(envelopes, st.tuples(st.sampled_from(sorted(DTYPES)), shapes))),
+    data=st.data(),
+)
+def test_mixed_stream_round_trips(items: list[Any], data: st.DataObject) -> None:
+    wire = mixed_wire(items)
+    chunks = cut(wire, data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
     events = drain(FrameDecoder(), chunks)
     assert len(events) == len(items)
     for i, (item, event) in enumerate(zip(items, events, strict=True)):
@@ -302,22 +309,7 @@ def test_payload_buffer_names_where_a_payload_is_received() -> None:
 
 def drain_in_place(decoder: FrameDecoder, chunks: list[bytes]) -> list[Envelope | TensorFrame]:
     """As `drain`, but as a reader that fills receive_buffer() itself whenever offered."""
-    events: list[Envelope | TensorFrame] = []
-    for chunk in chunks:
-        view = memoryview(chunk)
-        while view:
-            buffer = decoder.receive_buffer()
-            if buffer is None:
-                decoder.feed(view)
-                view = view[len(view) :]
-            else:
-                n = min(len(buffer), len(view))
-                buffer[:n] = view[:n]
-                decoder.received_into(n)
-                view = view[n:]
-            while (event := decoder.next_event()) is not NEED_DATA:
-                events.append(event)
-    return events
+    return [e for chunk in chunks for e in feed_in_place(decoder, decoder.feed, chunk)]
 
 
 @FAST
@@ -326,13 +318,8 @@ def drain_in_place(decoder: FrameDecoder, chunks: list[bytes]) -> list[Envelope 
     data=st.data(),
 )
 def test_receiving_in_place_gives_the_same_events(items: list[Any], data: st.DataObject) -> None:
-    wire = bytearray()
-    for i, item in enumerate(items):
-        if isinstance(item, Envelope):
-            wire += encode_envelope(item)
-        else:
-            wire += wire_of_tensor(make_tensor(*item, seed=i), name=f"t{i}")
-    chunks = cut(bytes(wire), data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
+    wire = mixed_wire(items)
+    chunks = cut(wire, data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
     decoder = FrameDecoder()
     assert drain_in_place(decoder, chunks) == drain(FrameDecoder(), chunks)
     assert decoder.statistics().bytes_in == len(wire)

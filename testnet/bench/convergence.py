@@ -40,12 +40,11 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from node.optim import DiLoCo, DiLoCoConfig, NoLoCo, NoLoCoConfig, noloco_groups
 from node.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
 from node.trainer.tasks import Task
-from testnet.bench.report import DOC, machine, md_table, write_section
+from testnet.bench.report import DOC, machine, md_table, print_tables, write_section
 
 METHODS = ("noloco", "diloco", "noloco-all", "none", "sync")
 NOLOCO = NoLoCoConfig(outer_lr=0.7, momentum=0.5)
@@ -543,13 +542,7 @@ def run(
                 f"  {method}: {res.train_seconds:.0f} s training, "
                 f"{res.eval_seconds:.0f} s evaluating"
             )
-    for title, headers, rows in _tables(results, cfg):
-        table = Table(title=title)
-        for i, header in enumerate(headers):
-            table.add_column(header, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+    print_tables(console, _tables(results, cfg))
     has_plot = plot(results, cfg, doc_path.parent / "convergence.png")
     total = time.perf_counter() - started
     n_params = evaluator.trainer.n_params

@@ -8,6 +8,10 @@ import re
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is rewritten by the command named in it.\n"
@@ -43,3 +47,16 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def print_tables(console: Console, tables: list[tuple[str, list[str], list[list[str]]]]) -> None:
+    """Show (title, headers, rows) tables on the terminal: first column left, numbers right."""
+    from rich.table import Table
+
+    for title, headers, rows in tables:
+        table = Table(title=title)
+        for i, header in enumerate(headers):
+            table.add_column(header, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from testnet.bench import robust_sim as sim
-from testnet.bench.report import DOC, machine, md_table, write_section
+from testnet.bench.report import DOC, machine, md_table, print_tables, write_section
 
 AGGREGATORS = ("mean", "median", "krum", "foolsgold", "sybilwall")
 ATTACKS = ("label-flip", "backdoor")
@@ -582,13 +581,7 @@ def run(
         f"robust: {len(settings)} sybil runs in {sybil_s:.0f} s, "
         f"{len(VC_SETTINGS)} variance-correction runs in {vc_s:.0f} s"
     )
-    for title, headers, rows in _tables(res, cfg):
-        table = Table(title=title)
-        for i, header in enumerate(headers):
-            table.add_column(header, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+    print_tables(console, _tables(res, cfg))
     has_plot = plot(res, cfg, doc_path.parent / "robust.png")
     total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     source = sim.load_digits().source

@@ -281,18 +281,7 @@ def run_sybil(
     acc_by_round: list[float] = []
     for rnd in range(p.rounds):
         gens = [torch.Generator().manual_seed(_seed(p.seed, rnd, i)) for i in range(p.honest + 1)]
-        models = [
-            sgd_epoch(
-                shape,
-                models[i],
-                data.x_train[shards[i]],
-                data.y_train[shards[i]],
-                lr=p.lr,
-                batch=p.batch,
-                generator=gens[i],
-            )
-            for i in range(p.honest)
-        ]
+        models = _local_epochs(shape, models, data, shards, p.lr, p.batch, gens)
         sent: dict[str, State] = dict(zip(hid, models, strict=True))
         if s.attack:
             attacker = sgd_epoch(
@@ -366,6 +355,14 @@ def _gossip_histories(
     for q, sender, entry in deliveries:
         reason = tables[q].offer(sender, entry)
         outcome["stored" if reason is None else re.sub(r"\d+", "N", reason)] += 1
+
+
+def _local_epochs(shape: MLPShape, models: list[State], data: DigitsData,
+                  shards: Sequence[torch.Tensor], lr: float, batch: int,
+                  gens: Sequence[torch.Generator]) -> list[State]:
+    """One epoch of SGD for every honest peer on its own shard (len(models) peers)."""
+    return [sgd_epoch(shape, model, data.x_train[shards[i]], data.y_train[shards[i]], lr=lr,
+                      batch=batch, generator=gens[i]) for i, model in enumerate(models)]
 
 
 def _seed(seed: int, rnd: int, peer: int) -> int:
@@ -465,18 +462,8 @@ def run_vc(p: VCParams, s: VCSetting, progress: Progress | None = None) -> VCRes
 
     record()
     for rnd in range(p.rounds):
-        models = [
-            sgd_epoch(
-                shape,
-                models[i],
-                data.x_train[shards[i]],
-                data.y_train[shards[i]],
-                lr=p.lr,
-                batch=p.batch,
-                generator=torch.Generator().manual_seed(_seed(p.seed, rnd, i)),
-            )
-            for i in range(p.peers)
-        ]
+        gens = [torch.Generator().manual_seed(_seed(p.seed, rnd, i)) for i in range(p.peers)]
+        models = _local_epochs(shape, models, data, shards, p.lr, p.batch, gens)
         models = [
             _copy(
                 aggs[i]
