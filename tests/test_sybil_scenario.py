@@ -12,7 +12,7 @@ from testnet import launcher
 from tests.conftest import run_cli, wait_until
 
 SYBIL_MANIFEST = launcher.scenario_manifest_path("sybil")
-SAMPLES = 4  # aggregations with a sybil neighbour sampled per honest node
+SAMPLES = 3  # aggregations in which both sybils were one honest node's neighbours
 
 
 def status(p: launcher.Proc) -> dict:
@@ -52,35 +52,31 @@ def test_sybilwall_down_weights_sybils_and_gossips_signed_histories(testnet_fact
 
     What is asserted is what this small, CPU-starved swarm shows reliably: the sybils learn
     the attack and the honest nodes do not; honest nodes gossip histories to each other;
-    and a sybil among an honest node's neighbours gets less than the equal share the plain
-    mean would give it. The full comparison (attack rates per aggregator and number of
-    sybils) is the in-process benchmark's job (`node bench robust`)."""
+    and when both sybils are an honest node's neighbours in the same round (one model, two
+    identities: identical histories), they get far less than the 2/3 the plain mean gives
+    them. Meeting one sybil, an honest node can compare it only with a stale gossiped
+    history of the other, and in a swarm this small that decides nothing either way
+    (measured: as often above the mean's share as below). The full comparison (attack
+    rates per aggregator and number of sybils) is the in-process benchmark's job
+    (`node bench robust`)."""
     net = testnet_factory(3, manifest=SYBIL_MANIFEST, sybils=2, attack="label-flip",
                           timeout=120)
     sybil_ids = {status(p)["peer_id"] for p in net.procs if p.name.startswith("sybil")}
     nodes = honest(net)
-    shares: list[tuple[float, float]] = []  # (sybil share, the mean's share) per aggregation
+    seen: dict[tuple[str, int], float] = {}  # (node, round) -> sybil share, both sybils met
 
-    def sample(p: launcher.Proc, after: int) -> bool:
-        t = training(p)
-        agg = t.get("aggregation") or {}
-        met = set(agg.get("weights") or {}) & sybil_ids
-        if met and agg.get("round", -1) > after:
-            shares.append((sybil_share(t, sybil_ids) or 0.0, len(met) / len(agg["weights"])))
-            return True
-        return False
+    def both_sybils_met() -> bool:
+        for p in nodes:
+            t = training(p)
+            agg = t.get("aggregation") or {}
+            if sybil_ids <= set(agg.get("weights") or {}):
+                seen[(p.name, agg["round"])] = sybil_share(t, sybil_ids) or 0.0
+        return len(seen) >= SAMPLES
 
-    for p in nodes:
-        # Once a node holds a history of every other peer (directly or by gossip), both
-        # sybils' identical histories are in its similarity matrix.
-        wait_until(lambda p=p: (status(p).get("history_gossip") or {}).get("known", 0) >= 4,
-                   150, f"{p.name} to know every other peer's history")
-        for _ in range(SAMPLES):  # one aggregation is noisy: which histories it compares
-            after = (training(p).get("aggregation") or {}).get("round", 0)
-            wait_until(lambda p=p, after=after: sample(p, after), 120,
-                       f"{p.name} to aggregate with a sybil")
-    print("(sybil share, the mean's share) per aggregation:", shares)
-    assert sum(s for s, _ in shares) < sum(m for _, m in shares), shares
+    wait_until(both_sybils_met, 240, f"{SAMPLES} aggregations with both sybils as neighbours",
+               interval=0.05)
+    print("sybil share when both sybils were neighbours (the mean's: 0.667):", seen)
+    assert all(share < 1 / 3 for share in seen.values()), seen
     wait_until(lambda: sum((status(p).get("history_gossip") or {}).get("accepted", 0)
                            for p in nodes) > 0, 60, "an honest node to accept a gossiped history")
     flip_sybil = min((training(p).get("val_metrics") or {}).get("label_flip", 0)
