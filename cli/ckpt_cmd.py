@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from cli.common import err, fail, out
-from node.checkpoints import CheckpointError, CheckpointStore
+from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.config import default_state_dir
 
 app = typer.Typer(no_args_is_help=True, help="List, verify and pull checkpoints.")
@@ -70,7 +70,7 @@ def pull(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     from cli.main import run_async
-    from node.ckpt_fetch import FetchReport, fetch
+    from node.checkpoints.fetch import FetchReport, fetch
     from protocols import checkpoint as ck
     from protocols import manifest as mf
 

@@ -16,9 +16,9 @@ import typer
 
 from cli.common import fail, out
 from node.config import NodeConfig, default_state_dir
-from node.control import ControlUnavailable, query_control
 from node.errors import NodeError
-from node.logs import setup_logging
+from node.status.control import ControlUnavailable, query_control
+from node.status.logs import setup_logging
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="peertrain: contribute a CPU or GPU to a shared training run.")
@@ -113,7 +113,7 @@ def run_create(
     state_dir: StateDir = None,
 ) -> None:
     """Validate a manifest, store it for serving, and print its run-id."""
-    from node.runstore import RunStore
+    from node.run.store import RunStore
     from protocols import manifest as mf
 
     try:

@@ -22,11 +22,9 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from node import ckpt_sync, manifest_service
-from node.checkpoints import CheckpointStore
+from node.checkpoints import exchange as ckpt_sync
+from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
-from node.control import serve_control
-from node.dht_records import VALIDATORS
 from node.errors import (
     BootstrapUnreachable,
     ManifestRejected,
@@ -34,12 +32,16 @@ from node.errors import (
     RunNotFound,
     StateDirError,
 )
+from node.files import atomic_write
+from node.membership.records import VALIDATORS
+from node.membership.redial import Redialer
 from node.memory import tune_malloc
-from node.peering import Redialer
-from node.rundoc_sync import RunDocSync
-from node.rundoc_sync import topic as rundoc_topic
-from node.runstore import RunStore, atomic_write
-from node.training import TrainingService
+from node.run import manifest as manifest_service
+from node.run.rundoc_sync import RunDocSync
+from node.run.rundoc_sync import topic as rundoc_topic
+from node.run.store import RunStore
+from node.status.control import serve_control
+from node.training.service import TrainingService
 from p2p.host import DialError, Substrate
 from p2p.identity import IdentityError, load_or_create_identity
 from p2p.peerbook import PeerBook
@@ -204,8 +206,8 @@ class Node:
             await self._start_training(nursery)
 
     async def _start_training(self, nursery: trio.Nursery) -> None:
-        from node.averaging import Averager  # imports torch: only nodes that train pay it
-        from node.run_config import build_training, check_swarm_algorithm, neighbours
+        from node.averaging.service import Averager  # imports torch: only nodes that train pay it
+        from node.training.build import build_training, check_swarm_algorithm, neighbours
 
         manifest, device = self.manifest, self.device
         assert manifest is not None
@@ -239,7 +241,7 @@ class Node:
         if self.averager is not None:
             self.averager.stats = self.training.stats
         if manifest.aggregate.method == "sybilwall" and manifest.outer.algorithm == "gossip":
-            from node.history_gossip import HistoryGossip
+            from node.averaging.history_gossip import HistoryGossip
 
             self.history = HistoryGossip(self.substrate, run_id, self.signer,
                                          lambda: self.training.outer if self.training else None)

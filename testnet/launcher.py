@@ -30,8 +30,9 @@ from typing import Any
 
 import platformdirs
 
-from node.control import NETNS_ENV, ControlUnavailable, query_control
-from node.runstore import RunStore, atomic_write
+from node.files import atomic_write
+from node.run.store import RunStore
+from node.status.control import NETNS_ENV, ControlUnavailable, query_control
 from protocols import manifest as mf
 from testnet import netns as ns
 

@@ -12,8 +12,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from node import manifest_service
-from node.control import query_control
+from node.run import manifest as manifest_service
+from node.status.control import query_control
 from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from node.checkpoints import CheckpointError, CheckpointStore
+from node.checkpoints.store import CheckpointError, CheckpointStore
 from protocols import checkpoint as ck
 from protocols.errors import RemoteProtocolError
 from tests.conftest import REPO, wait_until
@@ -68,7 +68,7 @@ def test_manifests_with_absurd_sizes_are_refused(doc, reason):
 
 WRITER = textwrap.dedent("""
     import resource, signal, sys, torch
-    from node.checkpoints import CheckpointStore, CheckpointError
+    from node.checkpoints.store import CheckpointStore, CheckpointError
     store = CheckpointStore(sys.argv[1])
     store.save("%s", 1, {"w": torch.ones(1000)})
     print("first saved", flush=True)

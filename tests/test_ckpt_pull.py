@@ -9,8 +9,8 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node import ckpt_sync
-from node.checkpoints import CheckpointStore
+from node.checkpoints import exchange as ckpt_sync
+from node.checkpoints.store import CheckpointStore
 from p2p.host import Substrate
 from protocols import ckpt_exchange as cx
 from protocols.checkpoint import CHUNK_BYTES

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from node.checkpoints import CheckpointStore
+from node.checkpoints.store import CheckpointStore
 from protocols.checkpoint import CHUNK_BYTES
 from testnet import launcher
 from tests.conftest import run_cli

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from node.control import query_control
+from node.status.control import query_control
 from protocols import heartbeat, records
 
 JS = Path(__file__).parent / "interop" / "js"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.control import query_control
+from node.status.control import query_control
 from testnet import launcher, netns
 from tests.conftest import REPO, run_cli, wait_until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node.peering import Redialer
+from node.membership.redial import Redialer
 from p2p.host import DialError
 
 

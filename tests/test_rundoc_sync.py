@@ -8,8 +8,8 @@ from pathlib import Path
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.control import query_control
-from node.rundoc_sync import topic
+from node.run.rundoc_sync import topic
+from node.status.control import query_control
 from p2p.host import Substrate
 from protocols import keys, rundoc
 from testnet import launcher

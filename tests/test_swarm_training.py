@@ -12,7 +12,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node.control import query_control
+from node.status.control import query_control
 from node.streams import write_chunks
 from p2p.host import Substrate
 from protocols import averaging as av

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node.control import query_control
+from node.status.control import query_control
 from testnet import launcher
 from tests.conftest import run_cli, wait_until
 

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from node.control import query_control
+from node.status.control import query_control
 from testnet import launcher
 from tests.conftest import run_cli, wait_until
 

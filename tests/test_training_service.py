@@ -8,7 +8,7 @@ import trio
 from node.optim.noloco import NoLoCo, NoLoCoConfig
 from node.trainer.loop import TrainConfig, Trainer
 from node.trainer.tasks import TaskConfig, build_task
-from node.training import Outcome, TrainingService
+from node.training.service import Outcome, TrainingService
 
 H = 5
 

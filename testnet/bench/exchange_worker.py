@@ -18,9 +18,9 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.averaging import Averager
+from node.averaging.service import Averager
 from node.memory import tune_malloc
-from node.training import TrainingStats
+from node.training.service import TrainingStats
 from p2p.host import Substrate
 
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.checkpoints import CheckpointStore
-from node.control import query_control
+from node.checkpoints.store import CheckpointStore
+from node.status.control import query_control
 from testnet import launcher
 from testnet.bench.report import machine, md_table, write_section
 

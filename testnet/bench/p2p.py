@@ -19,8 +19,8 @@ from pathlib import Path
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.control import query_control
-from node.dht_records import VALIDATORS
+from node.membership.records import VALIDATORS
+from node.status.control import query_control
 from p2p.host import Substrate
 from protocols import keys, records
 from testnet import launcher

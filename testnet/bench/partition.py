@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.control import query_control
+from node.status.control import query_control
 from testnet import launcher, netns
 from testnet.bench.report import machine, md_table, write_section
 

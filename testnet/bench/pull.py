@@ -40,7 +40,7 @@ UPLINK_MBIT = 200
 def make_checkpoint(store_dir: Path, megabytes: int) -> str:
     import torch
 
-    from node.checkpoints import CheckpointStore
+    from node.checkpoints.store import CheckpointStore
 
     g = torch.Generator().manual_seed(0)
     return CheckpointStore(store_dir).save(

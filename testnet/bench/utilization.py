@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.control import query_control
+from node.status.control import query_control
 from testnet import launcher
 from testnet.bench.report import machine, md_table, write_section
 

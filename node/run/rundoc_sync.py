@@ -27,7 +27,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.runstore import atomic_write
+from node.files import atomic_write
 from node.streams import next_event
 from p2p.host import Substrate
 from p2p.pubsub import PacedPublisher

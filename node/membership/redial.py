@@ -33,7 +33,7 @@ import trio
 
 from p2p.host import DialError, Substrate, parse_peer_addr
 
-log = logging.getLogger("node.peering")
+log = logging.getLogger("node.membership")
 
 
 @dataclass

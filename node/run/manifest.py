@@ -9,7 +9,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.runstore import RunStore
+from node.run.store import RunStore
 from node.streams import next_event
 from p2p.host import Substrate
 from protocols import manifest as mf

@@ -109,8 +109,8 @@ def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
     """Continue from a local checkpoint; a damaged one is skipped with a logged reason."""
     import logging
 
-    from node.checkpoints import CheckpointError
-    from node.training import restore_checkpoint
+    from node.checkpoints.store import CheckpointError
+    from node.training.service import restore_checkpoint
 
     try:
         manifest, tensors = store.load(cid)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from node.errors import NodeError
-from node.runstore import atomic_write
+from node.files import atomic_write
 from protocols import checkpoint as ck
 from protocols.errors import RemoteProtocolError
 

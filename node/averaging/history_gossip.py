@@ -35,7 +35,7 @@ from protocols import history as hp
 from protocols.errors import ProtocolError
 from protocols.keys import Signer
 
-log = logging.getLogger("node.history_gossip")
+log = logging.getLogger("node.averaging.history")
 
 PROTOCOL_ID = "/peertrain/sybilwall/1.0.0"
 HEADER_ALLOWANCE = 4096  # msgpack keys, ids, signature: far below this

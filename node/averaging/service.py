@@ -27,9 +27,9 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.lane import LaneListener, connect_lane
+from node.averaging.lane import LaneListener, connect_lane
 from node.streams import pump, write_chunks
-from node.training import Outcome
+from node.training.service import Outcome
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols.errors import RemoteProtocolError

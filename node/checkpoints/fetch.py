@@ -22,10 +22,10 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node import ckpt_sync
-from node.checkpoints import CheckpointError, CheckpointStore
-from node.dht_records import VALIDATORS
+from node.checkpoints import exchange as ckpt_sync
+from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.errors import BootstrapUnreachable, NodeError
+from node.membership.records import VALIDATORS
 from p2p.host import DialError, Substrate, parse_peer_addr
 from protocols import checkpoint as ck
 

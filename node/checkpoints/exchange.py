@@ -20,7 +20,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.checkpoints import CheckpointError, CheckpointStore
+from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.streams import next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
