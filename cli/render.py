@@ -24,7 +24,9 @@ def node_status_table(st: dict[str, Any]) -> Group:
     head.add_row("device", str(st.get("device")))
     head.add_row("uptime", f"{st['uptime_s']:.0f} s")
     head.add_row("addrs", "\n".join(st["addrs"]))
-    head.add_row("connections", f"{st['connections']} (DHT table {st['dht_routing_table']})")
+    p2p = st.get("p2p") or {}
+    head.add_row("connections", f"{p2p.get('connections', 0)} "
+                 f"(DHT table {p2p.get('dht_routing_table', 0)})")
     t = st.get("training")
     if t:
         head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
@@ -34,13 +36,19 @@ def node_status_table(st: dict[str, Any]) -> Group:
                      f"sent {_bytes(t['bytes_sent'])}, received {_bytes(t['bytes_received'])}")
         if t.get("error"):
             head.add_row("error", Text(t["error"], "red"))
-    peers = Table(title=f"{len(st['peers'])} live peers", title_justify="left")
+    live = _peers(st)
+    peers = Table(title=f"{len(live)} live peers", title_justify="left")
     for col in ("peer", "last seen", "device", "addrs"):
         peers.add_column(col)
-    for p in st["peers"]:
+    for p in live:
         peers.add_row(p["peer_id"], f"{p['last_seen_s']:.1f} s ago", str(p.get("device", "")),
                       (p.get("addrs") or ["-"])[0])
     return Group(head, Text(""), peers)
+
+
+def _peers(st: dict[str, Any]) -> list[dict[str, Any]]:
+    """The live peers in a status (the membership service's view)."""
+    return (st.get("membership") or {}).get("peers", [])
 
 
 def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = None) -> Table:
@@ -82,7 +90,7 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
             "node": r["name"],
             "id": short(st["peer_id"]),
             "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
-            "peers": "-" if st["role"] == "bootstrap" else str(len(st["peers"])),
+            "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),
             "step": _num(t.get("step"), "{:d}"),
             "loss": _num(t.get("loss"), "{:.3f}"),
             "val": _num(t.get("val_loss"), "{:.3f}"),

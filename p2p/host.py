@@ -98,7 +98,7 @@ class Substrate:
     """One libp2p host plus DHT and gossipsub, restarted with the same identity if it dies.
 
     Users register protocol handlers with `set_handler` (before or after start): they
-    survive a restart. `on_ready` callbacks run after every (re)start, e.g. to re-subscribe.
+    survive a restart.
     """
 
     def __init__(
@@ -116,7 +116,6 @@ class Substrate:
         self.max_restarts = max_restarts
         self._validators = dict(dht_protocol_validators or {})
         self._handlers: dict[str, Handler] = {}
-        self._ready_callbacks: list[Callable[[], Awaitable[None]]] = []
         self.stats = SubstrateStats()
         self.host: IHost | None = None
         self.dht: DHT | None = None
@@ -131,9 +130,6 @@ class Substrate:
         self._handlers[protocol] = handler
         if self.host is not None:
             self.host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
-
-    def on_ready(self, callback: Callable[[], Awaitable[None]]) -> None:
-        self._ready_callbacks.append(callback)
 
     def _guard(self, protocol: str, handler: Handler) -> Handler:
         async def guarded(stream: INetStream) -> None:
@@ -201,8 +197,6 @@ class Substrate:
             await pubsub.wait_until_ready()
             self.host, self.dht, self.pubsub = host, dht, pubsub
             self.stats.started += 1
-            for callback in self._ready_callbacks:
-                await callback()
             self.ready.set()
             task_status.started()
             await trio.sleep(math.inf)  # cancelled by the node's shutdown

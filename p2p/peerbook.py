@@ -42,9 +42,6 @@ class PeerBook:
             entry.info = dict(info)
         return entry
 
-    def forget(self, peer_id: str) -> None:
-        self._peers.pop(peer_id, None)
-
     def live(self, now: float) -> list[PeerEntry]:
         return sorted((e for e in self._peers.values() if now - e.last_seen <= self.ttl),
                       key=lambda e: e.peer_id)

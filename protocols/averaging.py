@@ -27,7 +27,7 @@ call raises again, and the caller closes the stream.
     both:      SWAPPING -tensor frame-> SWAPPING; send_vector() once, in SWAPPING or DONE
 
 Pairing is the caller's: a responder learns the offer's round and size from
-`OfferReceived` and answers with `accept()` or `reject()` (node/averaging.py knows the
+`OfferReceived` and answers with `accept()` or `reject()` (node/averaging/service.py knows the
 membership). A responder built with a round or a size refuses other offers itself.
 
 Lanes: if the offer lists LANE_TCP and the responder agrees, its accept carries a TCP port

@@ -19,16 +19,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-import base58
 import msgpack
 
+from protocols import multihash
 from protocols.errors import RemoteProtocolError
 
 VERSION = 1
 CHUNK_BYTES = 4 << 20
 MAX_CHECKPOINT_BYTES = 64 << 30
 MAX_MANIFEST_BYTES = 1 << 20
-_MULTIHASH = b"\x12\x20"
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class CheckpointManifest:
 
 
 def cid_of(manifest_bytes: bytes) -> str:
-    return base58.b58encode(_MULTIHASH + hashlib.sha256(manifest_bytes).digest()).decode()
+    return multihash.sha256_id(manifest_bytes)
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

@@ -205,9 +205,7 @@ def decode(
             out.copy_(_bf16(raw, numel))
         elif numel and raw.ctypes.data != values.ctypes.data:  # else it was received in place
             values[:] = raw.view(np.float32)
-    # numpy's isfinite is exact and, on 1M values, ~10x faster than torch's (or torch's
-    # sum, which the NaN check used to be): both pay a thread-pool wake-up per call.
-    if numel and not np.isfinite(values).all():
+    if not all_finite(out):
         raise RemoteProtocolError(f"received {codec} vector contains NaN/Inf")
     return out
 
@@ -343,3 +341,16 @@ def _short(value: object) -> str:
         return f"<{type(value).__name__} of {len(value)} items>"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf: the one finiteness check of received and averaged vectors.
+
+    On a CPU fp32 tensor numpy's isfinite is exact and, on 1M values, ~10x faster than
+    torch's (or torch's sum, which the check used to be): torch pays a thread-pool wake-up
+    per call. Other tensors (a GPU, other dtypes) take torch's."""
+    if tensor.numel() == 0:
+        return True
+    if tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        return bool(np.isfinite(tensor.detach().numpy()).all())
+    return bool(torch.isfinite(tensor).all())

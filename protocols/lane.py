@@ -83,8 +83,6 @@ class Opener:
     """Opens the partner's records, in order. The reader takes the 4-byte length, asks
     `check_length`, reads exactly that many bytes, then calls `open`."""
 
-    HEADER = 4
-
     def __init__(self, key: bytes, direction: int) -> None:
         if len(key) != KEY_BYTES:
             raise LocalProtocolError("a lane key is 32 bytes")

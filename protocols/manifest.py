@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import datetime
 import difflib
-import hashlib
 import json
 import keyword
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-import base58
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -45,12 +43,13 @@ from pydantic import (
     model_validator,
 )
 
+from protocols import multihash
+
 SCHEMA = 1  # the manifest format this module reads and writes
 MAX_MANIFEST_BYTES = 64 * 1024  # the demo manifest is ~2 KiB; 64 KiB leaves room for prose
 MAX_ERRORS = 20  # problems listed per error; the rest are counted
-RUN_ID_LENGTH = 46  # base58 of 34 bytes starting 0x12 0x20 is always 46 characters ("Qm...")
-_MULTIHASH_SHA256 = b"\x12\x20"  # multihash code sha2-256, digest length 32
-_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
+RUN_ID_LENGTH = multihash.ID_LENGTH  # "Qm...": base58 of a sha2-256 multihash
+_BASE58 = multihash.BASE58_ALPHABET
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
@@ -463,7 +462,7 @@ def canonical_bytes(manifest: Manifest) -> bytes:
 
 def run_id(canonical: bytes) -> str:
     """base58btc(multihash sha2-256(canonical)): a 46-character "Qm..." string."""
-    return base58.b58encode(_MULTIHASH_SHA256 + hashlib.sha256(canonical).digest()).decode()
+    return multihash.sha256_id(canonical)
 
 
 def validate_run_id(s: str) -> str:
@@ -476,8 +475,7 @@ def validate_run_id(s: str) -> str:
         hint = " (that looks like a peer id)" if text.startswith("12D3Koo") else ""
         raise ManifestError(f"not a peertrain run-id: {shown}{hint}; expected {RUN_ID_LENGTH} "
                             "base58 characters starting with Qm, as `node run create` prints")
-    raw = base58.b58decode(text)
-    if len(raw) != 2 + 32 or raw[:2] != _MULTIHASH_SHA256:
+    if not multihash.is_sha256_id(text):
         raise ManifestError(f"not a peertrain run-id: {shown} is not a sha2-256 multihash")
     return text
 

@@ -119,10 +119,10 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory
         # The node is alive, counted the bad streams, and still serves a good request.
         # The node finishes each bad stream on its own time: wait for its count, bounded.
         deadline = trio.current_time() + 10
-        while query_control(Path(node.state_dir))["handler_errors"] < 3:
+        while query_control(Path(node.state_dir))["p2p"]["handler_errors"] < 3:
             assert trio.current_time() < deadline, "the node did not count 3 bad streams"
             await trio.sleep(0.1)
-        assert query_control(Path(node.state_dir))["host_restarts"] == 0
+        assert query_control(Path(node.state_dir))["p2p"]["host_restarts"] == 0
         m = await manifest_service.fetch_manifest(me, peer, net.run_id)
         assert m.run.name == "testnet-default"
         nursery.cancel_scope.cancel()

@@ -24,7 +24,7 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
     weights = {"w": torch.randn(3 * CHUNK_BYTES // 4 + 1000)}  # 4 chunks
     cid = source.save(RUN, 7, weights)
     honest, staller, liar, me = (Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(4))
-    ckpt_sync.install(honest, source)
+    honest.set_handler(ckpt_sync.cx.PROTOCOL_ID, ckpt_sync.CheckpointServer(source).handle)
 
     async def stall(stream):  # reads requests, never answers
         await trio.sleep_forever()

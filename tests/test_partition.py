@@ -39,7 +39,7 @@ def step(p: launcher.Proc) -> int:
 
 
 def live_peers(p: launcher.Proc) -> set[str]:
-    return {q["peer_id"] for q in status(p).get("peers", [])}
+    return {q["peer_id"] for q in (status(p).get("membership") or {}).get("peers", [])}
 
 
 def holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
@@ -71,7 +71,7 @@ def test_split_halves_keep_training_and_converge_after_heal(
     ids = {p.name: status(p)["peer_id"] for p in net.procs}
     for p in nodes:
         wait_until(
-            lambda p=p: len(status(p).get("members", [])) == 3 and step(p) > 0,
+            lambda p=p: len(status(p)["membership"]["members"]) == 3 and step(p) > 0,
             90,
             f"{p.name} to train and list 3 members",
         )

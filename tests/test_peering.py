@@ -1,4 +1,5 @@
-"""The redialer (node/peering.py) against a fake host: whom it dials, and how it backs off."""
+"""The redialer (node/membership/redial.py) against a fake host: whom it dials, and how it
+backs off."""
 
 from __future__ import annotations
 

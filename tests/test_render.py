@@ -15,13 +15,13 @@ def node(i: int, partner: int) -> dict:
                 "last_partner": IDS[partner], "bytes_sent": 12_000_000,
                 "bytes_received": 11_000_000, "compute_fraction": 0.995}
     return {"name": f"node{i}", "status": {"peer_id": IDS[i], "phase": "running",
-                                            "role": "node", "peers": [1, 2, 3],
+                                            "role": "node", "membership": {"peers": [1, 2, 3]},
                                             "training": training}}
 
 
 ROWS = [
     {"name": "bootstrap", "status": {"peer_id": IDS[0], "phase": "running", "role": "bootstrap",
-                                     "peers": [1, 2, 3, 4], "training": None}},
+                                     "membership": {"peers": [1, 2, 3, 4]}, "training": None}},
     node(1, 2), node(2, 1), node(3, 4),
     {"name": "node4", "error": "not answering"},
 ]

@@ -32,12 +32,12 @@ def test_replicas_converge_and_survive_a_restart(testnet_factory):
     net = testnet_factory(3, extra_node_args=["--no-train"])
     nodes = [p for p in net.procs if p.name != "bootstrap"]
     for p in nodes:
-        wait_until(lambda p=p: len(status(p).get("members", [])) == 2, 20,
+        wait_until(lambda p=p: len((status(p).get("membership") or {}).get("members", [])) == 2, 20,
                    f"{p.name} to list 2 members from its run document")
     # Peers rewrite their last_seen every 2 s, so digests match only between rewrites:
     # check that each node holds every peer's entries instead.
     for p in nodes:
-        members = {m["peer_id"]: m for m in status(p)["members"]}
+        members = {m["peer_id"]: m for m in status(p)["membership"]["members"]}
         assert all(m["role"] == "node" and m["addrs"] for m in members.values())
     node1 = nodes[0]
     saved = Path(node1.state_dir) / f"rundoc-{net.run_id}.bin"
@@ -77,7 +77,7 @@ async def test_forged_and_foreign_entries_are_rejected(testnet_factory):
         nursery.cancel_scope.cancel()
     st = status(node)
     assert st["run_document"]["rejected"] >= before + 2
-    assert all("/evil" not in m.get("addrs", []) for m in st["members"])
+    assert all("/evil" not in m.get("addrs", []) for m in st["membership"]["members"])
     log = (Path(node.state_dir) / "node.log").read_text()
     assert "rejected peer/" in log
 

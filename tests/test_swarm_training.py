@@ -118,7 +118,11 @@ async def test_hostile_partner_is_refused_and_training_goes_on(testnet_factory, 
 
         nursery.start_soon(heartbeats)
         wait_for = trio.current_time() + 30
-        while not any(p["peer_id"] == my_id for p in query_control(Path(node.state_dir))["peers"]):
+        def listed() -> bool:
+            st = query_control(Path(node.state_dir))
+            return any(p["peer_id"] == my_id for p in st["membership"]["peers"])
+
+        while not listed():
             assert trio.current_time() < wait_for, "the node never saw the attacker"
             await trio.sleep(0.2)
         for attack in ("nan", "size", "codec", "truncated"):
@@ -203,13 +207,14 @@ def test_a_node_joining_mid_run_downloads_the_newest_checkpoint(testnet_factory,
     log = (state / "node.log").read_text()
     assert "fetched checkpoint" in log and "resumed from checkpoint" in log, log[-3000:]
     st = query_control(state)
-    assert st["download"]["done"] == st["download"]["total"] > 0
+    assert st["checkpoints"]["download"]["done"] == st["checkpoints"]["download"]["total"] > 0
 
     probes = iter(range(1000))
 
     def latecomer_provides() -> bool:  # what a second joiner would find in the DHT
         fresh = tmp_path / f"probe{next(probes)}"  # an empty store: a held cid skips the DHT
-        r = run_cli("ckpt", "pull", st["download"]["cid"], "--bootstrap", net.bootstrap_addr,
+        download = st["checkpoints"]["download"]
+        r = run_cli("ckpt", "pull", download["cid"], "--bootstrap", net.bootstrap_addr,
                     "--state-dir", str(fresh), "--json")
         return r.returncode == 0 and st["peer_id"] in json.loads(r.stdout)["dht_providers"]
 

@@ -15,7 +15,8 @@ from tests.conftest import run_cli, wait_until
 
 def peers_of(proc: launcher.Proc) -> set[str]:
     try:
-        return {p["peer_id"] for p in query_control(Path(proc.state_dir))["peers"]}
+        st = query_control(Path(proc.state_dir))
+        return {p["peer_id"] for p in (st.get("membership") or {}).get("peers", [])}
     except Exception:
         return set()
 

@@ -58,3 +58,45 @@ async def test_applied_outer_step_keeps_progress_made_since_the_snapshot():
     service = TrainingService(build(), exchange=None)
     service._outer_step(trainer, outer, snapshot, Outcome(1, [snapshot + 2.0], peers=("a",)))
     assert torch.allclose(trainer.parameters_vector(), expected_phi + (live - snapshot), atol=1e-6)
+
+
+def test_checkpoint_tensors_restore_the_trainer_and_outer_state_exactly():
+    """One state format: the trainer's and NoLoCo's state_dict, through safetensors' flat
+    name -> tensor map (node/training/state.py), resume bit for bit."""
+    from safetensors.torch import load, save
+
+    from node.training.service import checkpoint_tensors, restore_checkpoint
+
+    trainer, outer, _ = build(seed=3)()
+    for _ in range(3):
+        trainer.step()
+    outer.outer_step(trainer.parameters_vector(), [trainer.parameters_vector() + 1.0])
+    tensors = load(save(checkpoint_tensors(trainer, outer)))  # as the store writes them
+
+    resumed, resumed_outer, _ = build(seed=4)()  # other weights, to be overwritten
+    restore_checkpoint(resumed, resumed_outer, tensors)
+    assert resumed.step_count == trainer.step_count == 3
+    assert torch.equal(resumed_outer.phi, outer.phi) and torch.equal(resumed_outer.m, outer.m)
+    assert torch.equal(resumed.parameters_vector(), trainer.parameters_vector())
+    assert resumed.step().loss == trainer.step().loss  # same data stream, same moments
+    assert torch.equal(resumed.parameters_vector(), trainer.parameters_vector())
+
+
+def test_a_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
+    """The byte GPT ties lm_head to wte; safetensors refuses two names for one memory."""
+    from node.checkpoints.store import CheckpointStore
+    from node.training.service import checkpoint_tensors, restore_checkpoint
+
+    def gpt(seed: int) -> Trainer:
+        task = build_task(TaskConfig(name="bytes-gpt", d_model=32, n_layers=1, n_heads=2,
+                                     context=32))
+        return Trainer(task, TrainConfig(batch_size=2, eval_every=0, seed=seed))
+
+    trainer = gpt(0)
+    trainer.step()
+    store = CheckpointStore(tmp_path)
+    cid = store.save("run", 1, checkpoint_tensors(trainer, None))
+    resumed = gpt(1)
+    restore_checkpoint(resumed, None, store.load(cid)[1])
+    assert resumed.model.lm_head.weight is resumed.model.wte.weight
+    assert torch.equal(resumed.parameters_vector(), trainer.parameters_vector())

@@ -1,7 +1,7 @@
 """SybilWall's history table: an update history per known peer, with its hop distance.
 
 Direct neighbours' entries (distance 1) come from the models they send us; the others
-arrive by gossip (node/history_gossip.py) one hop further than the sender had them. The
+arrive by gossip (node/averaging/history_gossip.py) one hop further than the sender had them. The
 rules (specs/algorithms.md §3c, steps 3-5) are enforced here, with bounds a hostile peer
 cannot push past: no entry about ourselves or about the sender, a stored distance of at
 most `max_distance`, the vector length of our own model, finite values, direct entries

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -30,10 +29,9 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from node.aggregate.history import HistoryEntry
-from p2p.host import Substrate
+from node.service import NodeContext
 from protocols import history as hp
 from protocols.errors import ProtocolError
-from protocols.keys import Signer
 
 log = logging.getLogger("node.averaging.history")
 
@@ -43,31 +41,38 @@ HEADER_ALLOWANCE = 4096  # msgpack keys, ids, signature: far below this
 
 class HistoryGossip:
     """Sends and receives history entries for one run. The table lives in the aggregator of
-    the trainer's GossipLearning (node/optim/gossip.py), built in the trainer thread:
-    `learning()` returns it once built (None before), and its `lock` guards the table."""
+    the trainer's GossipLearning (node/optim/gossip.py), built in the trainer thread and
+    published as `ctx.run.outer` (None before); its `lock` guards the table. The averager
+    calls `after_round` with each round's neighbours."""
 
-    def __init__(self, substrate: Substrate, run_id: str, signer: Signer,
-                 learning: Callable[[], Any], *, seed: int = 0) -> None:
-        self.substrate = substrate
-        self.run_id = run_id
-        self.signer = signer
-        self.me = signer.peer_id
-        self._learning = learning
+    name = "history_gossip"
+    protocols = (PROTOCOL_ID,)
+
+    def __init__(self, *, seed: int = 0) -> None:
         self.rng = random.Random(seed)
         self.sent = 0
         self.accepted = 0
         self.refused: Counter[str] = Counter()
-        substrate.set_handler(PROTOCOL_ID, self._handle)
+        self._ctx: NodeContext | None = None
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._ctx = ctx
+        self.substrate, self.signer = ctx.substrate, ctx.signer
+        self.run_id, self.me = ctx.the_run().run_id, ctx.peer_id
+        ctx.substrate.set_handler(PROTOCOL_ID, self._handle)
+        task_status.started()
+        await trio.sleep_forever()
 
     @property
     def learning(self) -> Any:
-        return self._learning()
+        return self._ctx.run.outer if self._ctx is not None and self._ctx.run else None
 
     @property
     def max_bytes(self) -> int:
         return 4 * self.learning.numel + HEADER_ALLOWANCE
 
-    def status(self) -> dict[str, Any]:
+    def statistics(self) -> dict[str, Any]:
         return {"sent": self.sent, "accepted": self.accepted, "refused": dict(self.refused),
                 "known": len(self._table().entries) if self._table() is not None else 0}
 
@@ -111,6 +116,8 @@ class HistoryGossip:
     async def _handle(self, stream: INetStream) -> None:
         sender = stream.muxed_conn.peer_id.to_base58()
         try:
+            if self._table() is None:
+                raise hp.HistoryError("this node does not run SybilWall (yet)")
             with trio.fail_after(10):
                 data = await _read_all(stream, self.max_bytes)
             self._receive(sender, data)

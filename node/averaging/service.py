@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,10 +56,18 @@ class _Round:
 
 
 class Averager:
+    """The exchange service. Built with what it needs (a benchmark or a test drives one on
+    a bare host); in a node it also runs as a service, which gossips SybilWall histories
+    to each round's neighbours after the round (`after_round`) without delaying it."""
+
+    name = "averaging"
+    protocols = (PROTOCOL_ID,)
+
     def __init__(self, substrate: Substrate, run_id: str, me: str,
                  members: Callable[[], list[str]], *, codecs: list[str], group_size: int = 2,
                  step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
-                 stats: Any = None, lanes: bool = True, neighbours: int | None = None) -> None:
+                 stats: Any = None, lanes: bool = True, neighbours: int | None = None,
+                 after_round: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -76,7 +84,6 @@ class Averager:
         self.inner_steps = inner_steps
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
         self.partners: dict[str, PartnerStats] = {}
-        self.rejected: list[str] = []
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -85,7 +92,22 @@ class Averager:
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
         self.lane_host = _listen_host(substrate)
+        self.after_round = after_round
+        self._nursery: trio.Nursery | None = None
         substrate.set_handler(PROTOCOL_ID, self._handle)
+
+    async def run(self, ctx: object = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def statistics(self) -> dict[str, Any]:
+        return {"partners": {p: {"mb_per_s": round(s.bytes_per_s / 1e6, 1),
+                                 "exchanges": s.exchanges, "failures": s.failures}
+                             for p, s in sorted(self.partners.items())},
+                "lane_failed": sorted(self.lane_failed)}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -153,6 +175,8 @@ class Averager:
             for p in partners:
                 nursery.start_soon(self._with_partner, r, p, snapshot, numel, results)
         done = [p for p in partners if p in results]
+        if done and self.after_round is not None and self._nursery is not None:
+            self._nursery.start_soon(self.after_round, done)
         return Outcome(r, [results[p] for p in done], partner=",".join(done) or None,
                        peers=tuple(done))
 

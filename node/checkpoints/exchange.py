@@ -15,12 +15,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointError, CheckpointStore
+from node.service import NodeContext
 from node.streams import next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
@@ -32,8 +34,28 @@ log = logging.getLogger("node.ckpt")
 _ids = itertools.count(1)
 
 
-def install(substrate: Substrate, store: CheckpointStore) -> None:
-    async def handle(stream: INetStream) -> None:
+class CheckpointServer:
+    """Serves the checkpoints in our store, on every node (a bootstrap too): one stream is
+    a session of requests in sequence, each answered from disk in a worker thread."""
+
+    name = "checkpoint_server"
+    protocols = (cx.PROTOCOL_ID,)
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.served = 0
+        self.missing = 0
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
+        task_status.started()
+        await trio.sleep_forever()
+
+    def statistics(self) -> dict[str, Any]:
+        return {"served": self.served, "not_held": self.missing}
+
+    async def handle(self, stream: INetStream) -> None:
         decoder = FrameDecoder(max_frame_bytes=4096)
         try:
             while True:
@@ -45,12 +67,14 @@ def install(substrate: Substrate, store: CheckpointStore) -> None:
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)
-                data = await trio.to_thread.run_sync(_read, store, kind, cid, index)
+                data = await trio.to_thread.run_sync(_read, self.store, kind, cid, index)
+                if data is None:
+                    self.missing += 1
+                else:
+                    self.served += 1
                 await stream.write(cx.respond(env, data, index))
         finally:
             await stream.close()
-
-    substrate.set_handler(cx.PROTOCOL_ID, handle)
 
 
 def _read(store: CheckpointStore, kind: str, cid: str, index: int | None) -> bytes | None:

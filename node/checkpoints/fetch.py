@@ -6,7 +6,8 @@ a fresh key; only the checkpoint is written to the state directory.
 
 Providers are the peers given with `--from` (dialed directly) and, with `--bootstrap`, the
 providers of `ckpt/<cid>` the DHT knows. The pull itself is the daemon's
-(node/ckpt_sync.py: every provider in parallel, every chunk verified, resumable); after it
+(node/checkpoints/exchange.py: every provider in parallel, every chunk verified,
+resumable); after it
 every chunk on disk is verified once more, and one bad chunk left by an earlier pull is
 fetched again.
 """
@@ -17,7 +18,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import base58
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
@@ -28,6 +28,7 @@ from node.errors import BootstrapUnreachable, NodeError
 from node.membership.records import VALIDATORS
 from p2p.host import DialError, Substrate, parse_peer_addr
 from protocols import checkpoint as ck
+from protocols import multihash
 
 log = logging.getLogger("node.ckpt")
 
@@ -55,11 +56,7 @@ class FetchReport:
 
 def validate_cid(cid: str) -> str:
     """A checkpoint id is the base58 of a sha2-256 multihash ("Qm...", 46 characters)."""
-    try:
-        raw = base58.b58decode(cid)
-    except ValueError:
-        raw = b""
-    if len(cid) != 46 or len(raw) != 34 or raw[:2] != b"\x12\x20":
+    if not multihash.is_sha256_id(cid):
         raise BadArgument(
             f"not a checkpoint id: {cid!r} (expected 46 base58 characters "
             "starting with Qm, as `node ckpt ls` prints them)"

@@ -44,7 +44,12 @@ class RedialStats:
 
 
 class Redialer:
-    """One per node, started in its nursery; `members()` gives peer id -> multiaddrs."""
+    """One per node, started in its nursery; `members()` gives peer id -> multiaddrs (the
+    membership view's `addresses`). Built with the host it dials rather than reading it
+    from the node context, so that tests drive it with a fake host."""
+
+    name = "redial"
+    protocols = ()
 
     def __init__(
         self,
@@ -78,7 +83,8 @@ class Redialer:
         self._backoff: dict[str, float] = {}
         self._last_probe = 0.0
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, ctx: object = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             await trio.sleep(self.interval_s)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from protocols.codecs import all_finite
+
 
 def as_flat_fp32(
     tensor: torch.Tensor, *, like: torch.Tensor | None = None, what: str
@@ -23,7 +25,7 @@ def as_flat_fp32(
         tensor = tensor.to(device=like.device, dtype=torch.float32)
     else:
         tensor = tensor.to(dtype=torch.float32)
-    if not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise ValueError(f"{what} contains NaN or infinite values")
     return tensor
 

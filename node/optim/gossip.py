@@ -6,7 +6,7 @@ work per named tensor (variance correction rescales each tensor on its own, Sybi
 per-peer histories). This class converts between the two, without copying on the way in.
 
 The aggregator runs in the trainer thread while the trio thread gossips SybilWall's history
-table (node/history_gossip.py): both hold `lock` while touching the aggregator.
+table (node/averaging/history_gossip.py): both hold `lock` while touching the aggregator.
 """
 
 from __future__ import annotations

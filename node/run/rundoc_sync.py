@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,8 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.files import atomic_write
+from node.service import NodeContext
 from node.streams import next_event
-from p2p.host import Substrate
-from p2p.pubsub import PacedPublisher
 from protocols import rundoc
 from protocols.errors import ProtocolError, RemoteProtocolError
 from protocols.keys import Signer
@@ -50,38 +48,63 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+ANNOUNCE_S = 2.0
+
+
+def load_document(state_dir: Path, run_id: str, signer: Signer,
+                  admins: list[str]) -> rundoc.RunDocument:
+    """The replica saved by an earlier run of this node (every entry re-verified), or a new
+    one. A corrupt file costs a resync from the swarm, never a crash."""
+    path = document_path(state_dir, run_id)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return rundoc.RunDocument(run_id, signer, admins)
+    try:
+        doc = rundoc.RunDocument.from_bytes(data, run_id, signer, admins)
+        log.info("loaded run document: %d entries", len(doc))
+        return doc
+    except ProtocolError as e:
+        log.warning("run document %s unusable (%s); starting empty", path, e)
+        return rundoc.RunDocument(run_id, signer, admins)
+
+
+def document_path(state_dir: Path, run_id: str) -> Path:
+    return Path(state_dir) / f"rundoc-{run_id}.bin"
+
+
+def stamps(doc: rundoc.RunDocument) -> dict[str, list]:
+    """key -> [wall_ms, counter, writer] of every entry: enough to tell whether two
+    replicas hold the same versions (the partition test and benchmark compare them)."""
+    return {e.key: [e.hlc.wall_ms, e.hlc.counter, e.hlc.node] for e in doc.entries()}
+
+
 class RunDocSync:
-    def __init__(self, substrate: Substrate, publisher: PacedPublisher, run_id: str,
-                 signer: Signer, admins: list[str], state_dir: Path,
-                 own_entries: Callable[[], dict[str, Any]], live_peers: Callable[[], list[str]],
-                 *, announce_s: float = 2.0, anti_entropy_s: float = 10.0,
+    """Gossips our own entries, merges everybody's, repairs losses, persists the replica
+    (`ctx.run.document`, shared with the services that write entries of their own)."""
+
+    name = "run_document"
+    protocols = (PROTOCOL_ID,)
+
+    def __init__(self, *, announce_s: float = ANNOUNCE_S, anti_entropy_s: float = 10.0,
                  persist_s: float = 10.0, gc_horizon_s: float = 3600.0) -> None:
-        self.substrate, self.publisher = substrate, publisher
-        self.run_id, self.signer = run_id, signer
-        self.path = Path(state_dir) / f"rundoc-{run_id}.bin"
-        self.own_entries, self.live_peers = own_entries, live_peers
         self.announce_s, self.anti_entropy_s = announce_s, anti_entropy_s
         self.persist_s, self.gc_horizon_ms = persist_s, int(gc_horizon_s * 1000)
         self.rejected = 0
         self.syncs = 0
-        self.doc = self._load(admins)
         self._synced_with: set[str] = set()
-        substrate.set_handler(PROTOCOL_ID, self._handle)
+        self._ctx: NodeContext | None = None
+        self.first_sync = trio.Event()  # a joiner's checkpoint service waits for it
 
-    def _load(self, admins: list[str]) -> rundoc.RunDocument:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return rundoc.RunDocument(self.run_id, self.signer, admins)
-        try:
-            doc = rundoc.RunDocument.from_bytes(data, self.run_id, self.signer, admins)
-            log.info("loaded run document: %d entries", len(doc))
-            return doc
-        except ProtocolError as e:  # a corrupt file costs a resync, never a crash
-            log.warning("run document %s unusable (%s); starting empty", self.path, e)
-            return rundoc.RunDocument(self.run_id, self.signer, admins)
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        run = ctx.the_run()
+        self._ctx = ctx
+        self.substrate, self.publisher, self.signer = ctx.substrate, ctx.publisher, ctx.signer
+        self.run_id, self.doc = run.run_id, run.document
+        self.path = document_path(ctx.config.state_dir, run.run_id)
+        self.live_peers = ctx.membership.live_peers
+        ctx.substrate.set_handler(PROTOCOL_ID, self._handle)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen)
             nursery.start_soon(self._announce_loop)
@@ -89,25 +112,20 @@ class RunDocSync:
             nursery.start_soon(self._persist_loop)
             task_status.started()
 
-    # -- reads for node status ------------------------------------------------------------
+    def own_entries(self) -> dict[str, Any]:
+        assert self._ctx is not None
+        ctx = self._ctx
+        return {"addrs": ctx.substrate.addrs(), "role": "node", "device": ctx.device,
+                "stats": ctx.own_stats()}
 
-    def members(self, ttl_s: float) -> dict[str, dict[str, Any]]:
-        """Peers with a fresh last_seen entry, with their own entries as a dict."""
-        out = {}
-        for peer, wall_ms in self.doc.members(now_ms(), int(ttl_s * 1000)).items():
-            prefix = f"peer/{peer}/"
-            info = {k[len(prefix):]: v for k, v in self.doc.items(prefix)
-                    if "/" not in k[len(prefix):]}  # not peer/<id>/ckpt/<cid>
-            info["last_seen_ms"] = wall_ms
-            out[peer] = info
-        return out
+    def publish(self, delta: bytes) -> None:
+        """Gossip a delta written by another service (a checkpoint announcement)."""
+        self.publisher.publish_nowait(topic(self.run_id), delta)
 
-    def stamps(self) -> dict[str, list]:
-        """key -> [wall_ms, counter, writer] of every entry: enough to tell whether two
-        replicas hold the same versions (the partition test and benchmark compare them)."""
-        return {e.key: [e.hlc.wall_ms, e.hlc.counter, e.hlc.node] for e in self.doc.entries()}
 
     def statistics(self) -> dict[str, Any]:
+        if self._ctx is None:
+            return {}
         st = self.doc.statistics()
         return {"entries": st.entries, "tombstones": st.tombstones, "rejected": self.rejected,
                 "anti_entropy_rounds": self.syncs, "digest": self.doc.digest().hex()[:16]}
@@ -166,6 +184,7 @@ class RunDocSync:
                 with trio.fail_after(10):
                     await self._sync_with(peer)
                 self.syncs += 1
+                self.first_sync.set()
             except Exception as e:
                 # retried in a few seconds while it stays live: right after a heal the
                 # first try can fail while the connections are re-made

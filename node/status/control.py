@@ -22,9 +22,12 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from node.service import NodeContext
 
 CONTROL_FILE = "control.json"
 MAX_REQUEST = 4096
@@ -34,6 +37,23 @@ _CLONE_NEWNET = 0x40000000
 
 class ControlUnavailable(Exception):
     """No node answers for this state directory."""
+
+
+class ControlService:
+    """The control endpoint as a node service: one handler per command."""
+
+    name = "control"
+    protocols = ()  # a local TCP socket, not a libp2p protocol
+
+    def __init__(self, handlers: dict[str, Callable[[], Any]]) -> None:
+        self.handlers = handlers
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await serve_control(ctx.config.state_dir, self.handlers, task_status=task_status)
+
+    def statistics(self) -> dict[str, Any]:
+        return {"commands": sorted(self.handlers)}
 
 
 async def serve_control(state_dir: Path, handlers: dict[str, Callable[[], Any]], *,

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import ConfigError, DeviceError, TrainerError
-from .models import count_parameters
 from .tasks import Task
 
 CHECKPOINT_FORMAT = "peertrain.trainer"
@@ -342,16 +341,3 @@ class Trainer:
             raise CheckpointError(f"state does not fit this model: {exc}") from exc
         self.data_rng.set_state(state["data_rng"])  # type: ignore[arg-type]
         self.step_count = int(state["step"])  # type: ignore[call-overload]
-
-    def statistics(self) -> dict[str, object]:
-        """A snapshot for `node status`."""
-        return {
-            "task": self.task.name,
-            "step": self.step_count,
-            "lr": lr_at(self.step_count, self.config),
-            "loss": self.last_loss,
-            "eval": self.last_eval,
-            "device": str(self.device),
-            "threads": self.config.threads,
-            "parameters": count_parameters(self.model),
-        }

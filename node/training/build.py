@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from node.errors import NodeError
+from node.trainer.errors import TrainerError
 from protocols import manifest as mf
 
 
@@ -39,9 +40,12 @@ def neighbours(m: mf.Manifest) -> int | None:
 
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,
-                   data: list[str] | None = None, resume: Any = None,
+                   data: list[str] | None = None, checkpoints: Any = None,
                    attack: str | None = None) -> tuple[Any, Any, int]:
-    """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread."""
+    """Build (trainer, outer optimizer or None, inner steps H). Runs in the trainer thread.
+
+    With a checkpoint store, training resumes from the run's newest checkpoint in it (the
+    checkpoint service has pulled the swarm's newest by the time the trainer is built)."""
     from node.optim.noloco import NoLoCo, NoLoCoConfig
     from node.trainer.loop import TrainConfig, Trainer
     from node.trainer.tasks import TaskConfig, build_task
@@ -70,6 +74,8 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         threads=t.threads, seed=m.run.seed,
         replica=replica_index(ATTACKER_REPLICA if attack else peer_id),
     ))
+    latest = checkpoints.latest(mf.run_id(mf.canonical_bytes(m))) if checkpoints else None
+    resume = (checkpoints, latest) if latest else None
     if m.outer.algorithm == "none":
         if resume is not None:
             _resume(trainer, None, *resume)
@@ -106,16 +112,16 @@ def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> A
 
 
 def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
-    """Continue from a local checkpoint; a damaged one is skipped with a logged reason."""
+    """Continue from a local checkpoint; a damaged or foreign one is skipped with a logged
+    reason (training starts from the initial weights instead)."""
     import logging
 
-    from node.checkpoints.store import CheckpointError
     from node.training.service import restore_checkpoint
 
+    log = logging.getLogger("node.training")
     try:
-        manifest, tensors = store.load(cid)
-        restore_checkpoint(trainer, outer, manifest.step, tensors)
-        logging.getLogger("node.training").info("resumed from checkpoint %s (step %d)", cid,
-                                                manifest.step)
-    except (CheckpointError, KeyError, RuntimeError, ValueError) as e:
-        logging.getLogger("node.training").warning("not resuming from %s: %s", cid, e)
+        _, tensors = store.load(cid)
+        restore_checkpoint(trainer, outer, tensors)
+        log.info("resumed from checkpoint %s (step %d)", cid, trainer.step_count)
+    except (NodeError, TrainerError, KeyError, RuntimeError, ValueError) as e:
+        log.warning("not resuming from %s: %s", cid, e)

@@ -31,9 +31,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+from node.training.state import from_tensors, to_tensors
+
+if TYPE_CHECKING:
+    from node.service import NodeContext
 
 log = logging.getLogger("node.training")
 
@@ -61,32 +66,19 @@ class Snapshot:
 
 
 def checkpoint_tensors(trainer: Any, outer: Any) -> dict[str, Any]:
-    """Flat name -> tensor map (safetensors wants flat): weights, AdamW moments, outer state."""
-    out = {"theta": trainer.parameters_vector()}
-    for i, p in enumerate(trainer.params):
-        for name, value in trainer.optimizer.state.get(p, {}).items():
-            if hasattr(value, "detach"):
-                out[f"adamw/{i}/{name}"] = value.detach().cpu().clone().reshape(-1)
-    if getattr(outer, "phi", None) is not None:  # NoLoCo's state; gossip learning has none
-        out["outer/phi"], out["outer/m"] = outer.phi.clone(), outer.m.clone()
-    return out
+    """The trainer's and the outer optimizer's `state_dict()`, as safetensors wants them."""
+    state = {"trainer": trainer.state_dict()}
+    if hasattr(outer, "state_dict"):  # NoLoCo's momentum; gossip learning keeps none
+        state["outer"] = outer.state_dict()
+    return to_tensors(state)
 
 
-def restore_checkpoint(trainer: Any, outer: Any, step: int, tensors: dict[str, Any]) -> None:
-    """Inverse of `checkpoint_tensors`: weights, AdamW moments, outer state, step counter."""
-    trainer.set_parameters_vector(tensors["theta"])
-    for i, p in enumerate(trainer.params):
-        state = {}
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            value = tensors.get(f"adamw/{i}/{name}")
-            if value is not None:
-                state[name] = value.reshape(p.shape) if name != "step" else value.reshape(())
-        if len(state) == 3:
-            trainer.optimizer.state[p] = state
-    if getattr(outer, "phi", None) is not None and "outer/phi" in tensors:
-        outer.phi.copy_(tensors["outer/phi"])
-        outer.m.copy_(tensors["outer/m"])
-    trainer.step_count = step
+def restore_checkpoint(trainer: Any, outer: Any, tensors: dict[str, Any]) -> None:
+    """Inverse of `checkpoint_tensors`, through the same `load_state_dict`s."""
+    state = from_tensors(tensors)
+    trainer.load_state_dict(state["trainer"])
+    if hasattr(outer, "load_state_dict") and "outer" in state:
+        outer.load_state_dict(state["outer"])
 
 
 @dataclass
@@ -111,6 +103,10 @@ class TrainingStats:
     error: str | None = None
     val_metrics: dict[str, float] | None = None  # the last evaluation (accuracy, attack rates)
     aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
+
+    def step_time(self) -> float:
+        """Measured seconds per inner step (a prior of 0.2 s before the first step)."""
+        return self.compute_s / self.step if self.step else 0.2
 
     def snapshot(self) -> dict[str, Any]:
         wall = max(1e-9, time.monotonic() - self.started_at)
@@ -138,13 +134,21 @@ def _lower_priority() -> None:
 
 
 class TrainingService:
-    """Owns the trainer thread for one run. `exchange` is the averaging adapter's coroutine."""
+    """Owns the trainer thread for one run. `exchange` is the averager's coroutine and
+    `on_snapshot` the checkpoint service's; both are called on the trio thread.
+
+    As a node service (`run(ctx)`), it also follows the live swarm's step (from the
+    membership view), publishes the outer optimizer as `ctx.run.outer` once built, and
+    notes the join's "first step" phase. Without a context (tests) it only trains."""
+
+    name = "training"
+    protocols = ()
 
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
                  max_steps: int | None = None, checkpoint_every: int = 0,
                  on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None,
-                 replay_to_align: bool = False) -> None:
+                 replay_to_align: bool = False, stats: TrainingStats | None = None) -> None:
         # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
         # No outer optimizer: the no-communication baseline, plain local training.
         self._build = build
@@ -156,16 +160,48 @@ class TrainingService:
         # testnet attacker's sybils then stay bit-identical (same stream, same steps), as one
         # attacker's identities sending one model would be.
         self.replay_to_align = replay_to_align
-        self.stats = TrainingStats()
-        # Highest step a live peer reported (set from the trio thread on each heartbeat).
-        # A node that is a round or more behind jumps to the swarm's round: pairing only
-        # works when peers agree on the round number (a late joiner, a restart, a slow CPU).
+        self.stats = stats if stats is not None else TrainingStats()
+        # Highest step a live peer reported (set from the trio thread). A node that is a
+        # round or more behind jumps to the swarm's round: pairing only works when peers
+        # agree on the round number (a late joiner, a restart, a slow CPU).
         self.swarm_step = 0
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.outer: Any = None  # the outer optimizer, once the trainer thread has built it
+        self._run_ctx: Any = None  # the node's RunContext, when run as a service
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    def statistics(self) -> dict[str, Any]:
+        return self.stats.snapshot()
+
+    async def run(self, ctx: NodeContext | None = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if ctx is None:
+            await self._train_in_thread(task_status)
+            return
+        self._run_ctx = ctx.the_run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_swarm, ctx)
+            nursery.start_soon(self._note_first_step, ctx)
+            try:
+                await self._train_in_thread(task_status)
+            except Exception as e:  # the node stays up (and visible) with the reason
+                log.error("training stopped: %s", e)
+            nursery.cancel_scope.cancel()
+        await trio.sleep_forever()
+
+    async def _follow_swarm(self, ctx: NodeContext) -> None:
+        while True:
+            self.swarm_step = max(self.swarm_step, ctx.membership.swarm_step())
+            await trio.sleep(ctx.config.heartbeat_s / 2)
+
+    async def _note_first_step(self, ctx: NodeContext) -> None:
+        """The end of a join (docs/benchmarks.md): the first step completed."""
+        while self.stats.compute_s == 0:
+            await trio.sleep(0.02)
+        ctx.phases.times.setdefault("first step",
+                                    round(time.monotonic() - ctx.phases.started, 3))
+
+    async def _train_in_thread(self, task_status: trio.TaskStatus[None]) -> None:
         send, receive = trio.open_memory_channel[Boundary | Snapshot | BaseException | None](16)
         token = trio.lowlevel.current_trio_token()
 
@@ -214,6 +250,8 @@ class TrainingService:
         try:
             trainer, outer, inner_steps = self._build()
             self.outer = outer
+            if self._run_ctx is not None:
+                self._run_ctx.outer = outer  # read by SybilWall's history gossip
             self._train(trainer, outer, inner_steps, post)
             post(None)
         except BaseException as e:  # surfaces in the trio task, which logs it

@@ -3,7 +3,7 @@
     python -m testnet.bench.exchange_worker A OUT.json MB CODEC            (prints addr, id)
     python -m testnet.bench.exchange_worker B OUT.json MB CODEC ADDR ID
 
-Both sides run the node's real averaging adapter (node/averaging.py) over a real libp2p
+Both sides run the node's real averaging adapter (node/averaging/service.py) over a real libp2p
 connection and exchange a vector of MB megabytes of fp32 for round 1. OUT.json gets the
 wall time of the exchange and the CPU time this process spent in it (all its threads).
 """

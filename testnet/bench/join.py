@@ -89,7 +89,7 @@ def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[
     finally:
         launcher.kill_node(net, name)
     t = st["phase_times"]
-    download = st.get("download") or {}
+    download = (st.get("checkpoints") or {}).get("download") or {}
     size = 0
     if download.get("cid"):
         size = CheckpointStore(Path(proc.state_dir)).manifest(download["cid"]).size

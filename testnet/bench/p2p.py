@@ -121,8 +121,9 @@ def _join_once(net: launcher.Testnet, directory: Path, i: int) -> tuple[float, f
         while time.monotonic() < deadline:
             try:
                 st = query_control(state, timeout=1.0)
-                if st.get("first_peer_after_s") is not None:
-                    return time.monotonic() - t0, st["first_peer_after_s"]
+                first = (st.get("membership") or {}).get("first_peer_after_s")
+                if first is not None:
+                    return time.monotonic() - t0, first
             except Exception:
                 pass
             time.sleep(0.05)

@@ -52,6 +52,11 @@ def _holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
     return all(k in replica and replica[k] >= v for k, v in snapshot.items())
 
 
+def _view(p, key: str) -> list:
+    """The membership service's `peers` (heard live) or `members` (run document)."""
+    return (_ask(p).get("membership") or {}).get(key, [])
+
+
 def _step(p: launcher.Proc) -> int:
     return (_ask(p).get("training") or {}).get("step", 0)
 
@@ -75,7 +80,7 @@ def cycle(net: launcher.Testnet, split_s: float) -> dict[str, Any]:
     for p in nodes:
         others = {ids[q.name] for q in nodes if q is not p}
         _until(
-            lambda p=p, o=others: {x["peer_id"] for x in _ask(p).get("peers", [])} >= o,
+            lambda p=p, o=others: {x["peer_id"] for x in _view(p, "peers")} >= o,
             120,
             f"{p.name} to see every peer",
         )
@@ -125,7 +130,7 @@ def main(quick: bool = False, doc: Path | None = None) -> str:
             with console.status("waiting for every node to train and see every peer"):
                 for p in procs:
                     _until(
-                        lambda p=p: _step(p) > 0 and len(_ask(p).get("members", [])) == nodes - 1,
+                        lambda p=p: _step(p) > 0 and len(_view(p, "members")) == nodes - 1,
                         120,
                         f"{p.name} to train",
                     )
@@ -163,17 +168,17 @@ def main(quick: bool = False, doc: Path | None = None) -> str:
         f"in a network namespace of its own behind one router namespace. A split adds "
         f"`ip rule ... unreachable` between the halves at the router (dials fail at once) and "
         f"aborts the TCP connections across (`ss -K`); the heal removes the rules and leaves "
-        f"reconnecting to the nodes (node/peering.py). Half A is the bootstrap and the first "
-        f"half of the nodes. Times are from the heal, polled every ~0.1 s per node.\n\n"
+        f"reconnecting to the nodes (node/membership/redial.py). Half A is the bootstrap and "
+        f"the first half of the nodes. Times are from the heal, polled every ~0.1 s per node.\n\n"
         f"{table}\n\n"
         f"'entries to exchange': (replica, entry) pairs where a replica lacked the newest "
         f"version at the heal. Both halves train through the split (NoLoCo pairs inside "
         f"each half). After the heal every node lists every peer again within "
         f"{max(r['live_s'] for r in rows):.1f} s (py-libp2p's AutoConnector and "
-        f"node/peering.py both redial; whichever is first), and the run documents hold "
+        f"node/membership/redial.py both redial; whichever is first), and the run documents hold "
         f"everything both halves wrote within {max(r['converged_s'] for r in rows):.1f} s "
         f"(median {median:.1f} s): a peer that comes back into the live view is synced with "
-        f"by anti-entropy at once (node/rundoc_sync.py) instead of at the next random round."
+        f"by anti-entropy at once (node/run/rundoc_sync.py) instead of at the next random round."
     )
     write_section("partition", text, doc) if doc else write_section("partition", text)
     return text

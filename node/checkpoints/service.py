@@ -1,0 +1,151 @@
+"""The checkpoint service of a training node: start from the swarm's newest checkpoint,
+save the trainer's snapshots, and keep what we hold announced (and only that).
+
+* Joining mid-run (nothing held locally): wait briefly for a first run-document sync,
+  take the newest checkpoint in its index, ask the DHT for its providers (bounded: the
+  writer and our connected peers are asked anyway) and pull it from all of them at once
+  (node/checkpoints/exchange.py). The service reports ready only then, so the trainer
+  starts from it.
+* Saving: snapshots are written in a worker thread, retention keeps the newest
+  `checkpoint.keep`, and each checkpoint is announced under our own namespace of the run
+  document (`peer/<id>/ckpt/<cid>`) and as a DHT provider record. Whatever retention
+  deletes is unannounced on both, so the index stays as small as what is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from node.checkpoints import exchange
+from node.errors import NodeError
+from node.service import NodeContext
+from protocols.rundoc import checkpoint_index, ckpt_key
+
+log = logging.getLogger("node.ckpt")
+
+PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint providers
+SYNC_WAIT_S = 5.0  # joining: how long to wait for a first run-document sync (a first node
+# has nobody to sync with)
+
+
+def ckpt_provider_key(cid: str) -> str:
+    return f"ckpt/{cid}"
+
+
+class CheckpointService:
+    name = "checkpoints"
+    protocols = ()  # /peertrain/ckpt/1.0.0 is served by CheckpointServer on every node
+
+    def __init__(self, publish: Callable[[bytes], None], synced: trio.Event) -> None:
+        self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
+        self._synced = synced  # set after the first anti-entropy exchange
+        self.download: dict[str, Any] | None = None
+        self.saved = 0
+        self.failed = 0
+        self.resume_from: str | None = None  # the checkpoint the trainer starts from
+        self._ctx: NodeContext | None = None
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._ctx = ctx
+        run_id = ctx.the_run().run_id
+        self.resume_from = ctx.checkpoints.latest(run_id) or await self._pull_newest(ctx)
+        # Whatever we hold, written before a restart or just pulled, the next joiner can
+        # fetch from us too (until retention drops it).
+        dht = ctx.substrate.dht
+        if dht is not None:
+            for cid, _ in ctx.checkpoints.list(run_id):
+                await dht.provide(ckpt_provider_key(cid))
+        task_status.started()
+        await trio.sleep_forever()
+
+    def statistics(self) -> dict[str, Any]:
+        return {"download": self.download, "saved": self.saved, "failed": self.failed,
+                "resumed_from": self.resume_from}
+
+    async def _pull_newest(self, ctx: NodeContext) -> str | None:
+        run = ctx.the_run()
+        ctx.phases.enter("syncing state")
+        with trio.move_on_after(SYNC_WAIT_S):
+            await self._synced.wait()
+        entries = checkpoint_index(run.document)
+        if not entries:
+            return None
+        step, cid, writer = entries[-1]
+        dht = ctx.substrate.dht
+        assert dht is not None
+        ctx.phases.enter("finding providers")
+        found = await dht.find_providers(ckpt_provider_key(cid), timeout=PROVIDER_LOOKUP_S)
+        providers = [p.peer_id for p in found]
+        for extra in [ID.from_base58(writer), *ctx.substrate.connected_peers()]:
+            if extra not in providers and extra != ctx.substrate.peer_id:
+                providers.append(extra)
+        ctx.phases.enter("downloading checkpoint")
+        download = self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
+                                    "providers": len(providers)}
+
+        def progress(done: int, total: int) -> None:
+            download.update(done=done, total=total)
+
+        try:
+            pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
+                                         progress=progress)
+        except NodeError as e:
+            log.warning("could not fetch checkpoint %s (%s); starting from scratch", cid, e)
+            return None
+        # asked != served: in a NoLoCo swarm each node's checkpoint is its own
+        download["served_by"] = len(pulled.bytes_by_peer)
+        log.info("fetched checkpoint %s (step %d) from %d of %d providers asked", cid, step,
+                 len(pulled.bytes_by_peer), len(providers))
+        return cid
+
+    async def save(self, snapshot: Any) -> None:
+        """Write a trainer snapshot (in a worker thread), keep the newest few, announce it.
+        A full disk costs this checkpoint, never the node."""
+        ctx = self._ctx
+        assert ctx is not None
+        run = ctx.the_run()
+        store, keep = ctx.checkpoints, run.manifest.checkpoint.keep
+
+        def write() -> tuple[str, set[str]]:
+            cid = store.save(run.run_id, snapshot.step, snapshot.tensors,
+                             {"peer": ctx.peer_id})
+            before = {c for c, _ in store.list(run.run_id)}
+            store.retain(run.run_id, keep)
+            return cid, before - {c for c, _ in store.list(run.run_id)}
+
+        try:
+            cid, dropped = await trio.to_thread.run_sync(write)
+        except NodeError as e:
+            self.failed += 1
+            log.error("%s", e)
+            return
+        self.saved += 1
+        run.progress.checkpoints += 1
+        run.progress.last_checkpoint = cid
+        log.info("checkpoint %s at step %d", cid, snapshot.step)
+        self._unannounce(ctx, dropped)
+        m = store.manifest(cid)
+        self._publish(run.document.set(ckpt_key(ctx.peer_id, cid),
+                                       {"hash": cid, "step": m.step, "size": m.size}, _now_ms()))
+        if ctx.substrate.dht is not None:
+            await ctx.substrate.dht.provide(ckpt_provider_key(cid))
+
+    def _unannounce(self, ctx: NodeContext, dropped: set[str]) -> None:
+        doc = ctx.the_run().document
+        for cid in dropped:
+            if ctx.substrate.dht is not None:
+                ctx.substrate.dht.stop_providing(ckpt_provider_key(cid))
+            key = ckpt_key(ctx.peer_id, cid)
+            if doc.get(key) is not None:
+                self._publish(doc.delete(key, _now_ms()))
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

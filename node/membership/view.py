@@ -1,0 +1,112 @@
+"""The one membership view: who is in the run, where to reach them, what they report.
+
+Two sources, one view:
+* heartbeats (gossip, every second): who is *live* right now. A peer silent for `ttl_s`
+  has left; a SIGKILLed peer disappears within it. The averager pairs among live nodes,
+  anti-entropy picks live partners, the trainer follows the live swarm's step.
+* the run document (signed, replicated, persisted): who has been a member recently and
+  at which addresses, even while we cannot hear them (a partition, our own restart). The
+  redialer dials those addresses; `node status` lists them as members.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from p2p.peerbook import PeerBook, PeerEntry
+from protocols.heartbeat import Heartbeat
+from protocols.rundoc import RunDocument
+
+#: How long a run-document member's addresses stay worth dialing after its last entry.
+REDIAL_HORIZON_S = 600.0
+#: A run-document member is listed while its last_seen is at most three announces (2 s
+#: each, node/run/rundoc_sync.py) and some gossip delay old.
+MEMBER_TTL_S = 8.0
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Membership:
+    def __init__(self, me: str, ttl_s: float) -> None:
+        self.me = me
+        self.book = PeerBook(ttl=ttl_s)
+        self.document: RunDocument | None = None  # attached when the run is known
+        self.started = time.monotonic()
+        self.first_peer_after_s: float | None = None
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def heard(self, beat: Heartbeat, now: float | None = None) -> bool:
+        """Record a verified heartbeat; True when the peer is new to the view."""
+        now = time.monotonic() if now is None else now
+        new = self.book.get(beat.peer) is None
+        if self.first_peer_after_s is None and beat.role == "node":
+            self.first_peer_after_s = now - self.started
+        self.book.seen(beat.peer, now, list(beat.addrs),
+                       {"role": beat.role, "device": beat.device, "stats": beat.stats})
+        return new
+
+    def attach(self, document: RunDocument) -> None:
+        self.document = document
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def live(self, now: float | None = None) -> list[PeerEntry]:
+        """Peers heard within the ttl (training nodes and bootstraps), sorted by id."""
+        return self.book.live(time.monotonic() if now is None else now)
+
+    def live_nodes(self) -> list[str]:
+        """Ids of live training nodes: the averager's pairing pool."""
+        return [e.peer_id for e in self.live() if e.info.get("role") == "node"]
+
+    def live_peers(self) -> list[str]:
+        return [e.peer_id for e in self.live()]
+
+    def swarm_step(self) -> int:
+        """The highest step a live peer reports: a node behind it catches up."""
+        steps = [e.info.get("stats", {}).get("step") for e in self.live()]
+        return max((s for s in steps if isinstance(s, int)), default=0)
+
+    def documented(self, ttl_s: float) -> dict[str, dict[str, Any]]:
+        """Run-document members with a `last_seen` within `ttl_s`: id -> own entries."""
+        doc = self.document
+        if doc is None:
+            return {}
+        out = {}
+        for peer, wall_ms in doc.members(now_ms(), int(ttl_s * 1000)).items():
+            prefix = f"peer/{peer}/"
+            info = {k[len(prefix):]: v for k, v in doc.items(prefix)
+                    if "/" not in k[len(prefix):]}  # not peer/<id>/ckpt/<cid>
+            info["last_seen_ms"] = wall_ms
+            out[peer] = info
+        return out
+
+    def addresses(self) -> dict[str, list[str]]:
+        """Where to dial each known peer: the run document's recent members, then the live
+        peers' heartbeat addresses (newer, so they win)."""
+        out: dict[str, list[str]] = {}
+        for peer, info in self.documented(REDIAL_HORIZON_S).items():
+            addrs = info.get("addrs")
+            if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
+                out[peer] = addrs
+        for e in self.live():
+            if e.addrs:
+                out[e.peer_id] = e.addrs
+        out.pop(self.me, None)
+        return out
+
+    def statistics(self, members_ttl_s: float = MEMBER_TTL_S) -> dict[str, Any]:
+        now, wall = time.monotonic(), now_ms()
+        return {
+            "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
+                       "addrs": e.addrs, **e.info}
+                      for e in self.live(now) if e.info.get("role") == "node"],
+            "members": [{"peer_id": p, "last_seen_s": round((wall - info.pop("last_seen_ms"))
+                                                            / 1000, 1), **info}
+                        for p, info in sorted(self.documented(members_ttl_s).items())
+                        if p != self.me],
+            "first_peer_after_s": self.first_peer_after_s,
+        }
