@@ -14,9 +14,14 @@ import msgpack
 
 from protocols import keys
 from protocols.errors import RemoteProtocolError
+from protocols.limits import StreamLimits
 
 NAMESPACE = "ptpeer"
 MAX_BYTES = 8192
+
+#: One DHT value, checked on its length before msgpack sees it.
+LIMITS = StreamLimits(f"/{NAMESPACE}/<peer-id> DHT record", MAX_BYTES, framed=False,
+                      note="the DHT query's")
 
 
 def peer_key(peer_id: str) -> str:
