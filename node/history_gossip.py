@@ -65,7 +65,7 @@ class HistoryGossip:
 
     @property
     def max_bytes(self) -> int:
-        return 4 * self.learning.numel + HEADER_ALLOWANCE
+        return hp.LIMITS.for_model(self.learning.numel).max_envelope_bytes
 
     def status(self) -> dict[str, Any]:
         return {"sent": self.sent, "accepted": self.accepted, "refused": dict(self.refused),

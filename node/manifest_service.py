@@ -15,7 +15,7 @@ from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
 from protocols.errors import RemoteProtocolError
-from protocols.wire import Envelope, FrameDecoder
+from protocols.wire import Envelope
 
 log = logging.getLogger(__name__)
 _req_ids = itertools.count(1)
@@ -25,7 +25,7 @@ def install(substrate: Substrate, store: RunStore) -> None:
     async def handle(stream: INetStream) -> None:
         try:
             with trio.fail_after(10):
-                env = await next_event(stream, FrameDecoder(max_frame_bytes=mx.MAX_FRAME))
+                env = await next_event(stream, mx.REQUEST_LIMITS.decoder())
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request envelope")
                 run_id = mx.parse_request(env)
@@ -49,7 +49,7 @@ async def fetch_manifest(substrate: Substrate, peer: ID, run_id: str,
         stream = await substrate.open_stream(peer, mx.PROTOCOL_ID)
         try:
             await stream.write(mx.encode_request(req_id, run_id))
-            env = await next_event(stream, FrameDecoder(max_frame_bytes=mx.MAX_FRAME))
+            env = await next_event(stream, mx.RESPONSE_LIMITS.decoder())
         finally:
             await stream.close()
     if not isinstance(env, Envelope):

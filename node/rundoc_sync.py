@@ -34,12 +34,12 @@ from p2p.pubsub import PacedPublisher
 from protocols import rundoc
 from protocols.errors import ProtocolError, RemoteProtocolError
 from protocols.keys import Signer
-from protocols.wire import Envelope, FrameDecoder, encode_envelope
+from protocols.wire import Envelope, encode_envelope
 
 log = logging.getLogger("node.rundoc")
 
 PROTOCOL_ID = "/peertrain/meta/1.0.0"
-MAX_FRAME = 2 << 20  # a delta is at most 1 MiB; its envelope adds a few bytes
+MAX_FRAME = rundoc.SYNC_LIMITS.max_envelope_bytes  # a delta is at most 1 MiB
 
 
 def topic(run_id: str) -> str:
@@ -201,7 +201,7 @@ class RunDocSync:
 
     async def _sync_with(self, peer: str) -> None:
         stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID)
-        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        decoder = rundoc.SYNC_LIMITS.decoder()
         try:
             await stream.write(encode_envelope(
                 Envelope("meta.summary", 1, {"summary": self.doc.summary()}),
@@ -216,7 +216,7 @@ class RunDocSync:
 
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
-        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        decoder = rundoc.SYNC_LIMITS.decoder()
         try:
             with trio.fail_after(10):
                 request = _expect(await next_event(stream, decoder), "meta.summary")
