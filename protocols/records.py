@@ -64,8 +64,9 @@ def decode(key: str, value: bytes) -> PeerRecord:
         raise RemoteProtocolError(f"malformed record under {key}: {e!r}") from e
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**63:
         raise RemoteProtocolError("record seq must be a non-negative int64")
-    if not all(isinstance(x, str) for x in [*addrs, *runs]):
-        raise RemoteProtocolError("record addrs and runs must be strings")
+    if not (isinstance(addrs, list) and isinstance(runs, list)
+            and all(isinstance(x, str) for x in [*addrs, *runs])):
+        raise RemoteProtocolError("record addrs and runs must be lists of strings")
     if not isinstance(sig, bytes) or not keys.verify(peer_id, _signed_bytes(key, seq, body), sig):
         raise RemoteProtocolError(f"record under {key} is not signed by {peer_id}")
     return PeerRecord(peer_id, seq, tuple(addrs), tuple(runs))
