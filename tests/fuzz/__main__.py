@@ -48,7 +48,9 @@ def _parse(name: str, log: str, status: int) -> Result:
         artifact = re.search(r"Test unit written to (\S+)", log)
         crash = (what.group(0).strip().splitlines()[-1] if what else f"exit status {status}")
         crash += f" (input: {artifact.group(1)})" if artifact else ""
-    return Result(name, stat("number_of_executed_units"), 0,
+    progress = re.findall(r"^#(\d+)", log, re.MULTILINE)  # a crash prints no final stats
+    executions = stat("number_of_executed_units") or (int(progress[-1]) if progress else 0)
+    return Result(name, executions, 0,
                   int(inited.group(1)) if inited else 0, cov, ft, corp, crash)
 
 
