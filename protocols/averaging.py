@@ -63,11 +63,11 @@ import torch
 
 from protocols import codecs as _codecs  # `codecs` is also an Exchange argument
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.limits import StreamLimits
 from protocols.wire import (
     MAX_ID,
     NEED_DATA,
     Envelope,
-    FrameDecoder,
     TensorFrame,
     TensorHeader,
     encode_envelope,
@@ -88,6 +88,18 @@ DEFAULT_MAX_FRAMES: Final = 1 << 16  # ~100 B of framing each: tiny chunks canno
 MAX_ENVELOPE_BYTES: Final = 64 << 10
 MAX_OFFERED: Final = 16  # codecs, or lanes, in one offer
 MAX_REASON: Final = 200  # characters of a reject's reason that are kept
+
+#: The ceilings of one exchange's stream. An Exchange narrows them as it goes: no tensor
+#: before a codec is agreed or after the peer's avg.done, then only the agreed codec and at
+#: most one chunk's encoded size (`codecs.max_encoded_size(codec, chunk)`).
+LIMITS: Final = StreamLimits(
+    PROTOCOL_ID,
+    MAX_ENVELOPE_BYTES,
+    max(_codecs.max_encoded_size(c, MAX_CHUNK_ELEMS) for c in _codecs.CODECS),
+    frozenset(_codecs.CODECS),
+    deadline_s=10.0,
+    note="for the offer; the swap's is derived from the partner's measured rate",
+)
 
 negotiate = _codecs.negotiate
 
@@ -255,11 +267,8 @@ class Exchange:
         self.offer: OfferReceived | None = None  # responder, once received
         # No tensor frame is acceptable before a codec is agreed (or after the peer's done):
         # a 0-byte limit refuses one on its header, before its payload is buffered.
-        self._decoder = FrameDecoder(
-            max_frame_bytes=MAX_ENVELOPE_BYTES,
-            max_tensor_bytes=0,
-            allowed_codecs=frozenset(_codecs.CODECS),
-        )
+        self._decoder = LIMITS.decoder()
+        self._decoder.max_tensor_bytes = 0
         self._received: torch.Tensor | None = None
         self._crc32 = True  # put a crc32 in our tensor headers (not on an AEAD lane)
         self._frames_in = 0

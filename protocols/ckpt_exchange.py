@@ -14,10 +14,18 @@ from typing import Any
 
 from protocols.checkpoint import CHUNK_BYTES
 from protocols.errors import RemoteProtocolError
+from protocols.limits import StreamLimits
 from protocols.wire import Envelope, encode_envelope
 
 PROTOCOL_ID = "/peertrain/ckpt/1.0.0"
-MAX_FRAME = CHUNK_BYTES + 64 * 1024
+MAX_FRAME = CHUNK_BYTES + 64 * 1024  # one chunk's bytes (msgpack bin) and its envelope
+MAX_REQUEST = 4096  # ckpt.manifest / ckpt.chunk: a cid (<= 64 chars) and an index
+DEADLINE_S = 30.0  # per request and per response (node/ckpt_sync's chunk_timeout)
+
+#: What the server reads: small requests, any number in sequence, never a tensor.
+REQUEST_LIMITS = StreamLimits(PROTOCOL_ID + " request", MAX_REQUEST, deadline_s=DEADLINE_S)
+#: What the asker reads: a manifest or one chunk per envelope (bin, not a tensor frame).
+RESPONSE_LIMITS = StreamLimits(PROTOCOL_ID + " response", MAX_FRAME, deadline_s=DEADLINE_S)
 
 
 def request_manifest(req_id: int, cid: str) -> bytes:

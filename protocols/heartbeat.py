@@ -12,10 +12,15 @@ from dataclasses import dataclass, field
 import msgpack
 
 from protocols.errors import RemoteProtocolError
+from protocols.limits import StreamLimits
 
 VERSION = 1
 MAX_BYTES = 4096
 MAX_ADDRS = 8
+
+#: One gossip message, checked on its length before msgpack sees it.
+LIMITS = StreamLimits("/peertrain/<run-id>/hb/1", MAX_BYTES, framed=False,
+                      note="none: a gossip message arrives whole")
 
 
 def topic(run_id: str) -> str:

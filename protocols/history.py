@@ -26,11 +26,19 @@ import torch
 
 from protocols import keys
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.limits import StreamLimits
 
+PROTOCOL_ID = "/peertrain/sybilwall/1.0.0"
 VERSION = 1
 MAX_ID = 128  # characters of a run or peer id (an Ed25519 peer id has 52)
 MAX_INT = 2**63 - 1  # rounds and distances are int64 on the wire
 _DOMAIN = "peertrain-history-v1"  # a history signature can never pass for another message's
+_OVERHEAD = 3 * MAX_ID + keys.SIGNATURE_BYTES + 256  # ids, signature, msgpack framing
+
+#: One entry per stream, read to its end: the vector (4 B per model value) and the rest.
+#: `LIMITS.for_model(numel).max_envelope_bytes` is what `decode_history` takes as max_bytes.
+LIMITS = StreamLimits(PROTOCOL_ID, _OVERHEAD, framed=False, per_value_bytes=4,
+                      deadline_s=10.0)
 
 
 class HistoryError(RemoteProtocolError):
@@ -99,7 +107,7 @@ def _pack(
 def max_message_bytes(expected_len: int) -> int:
     """The largest honest message for histories of `expected_len` values (a cap to pass
     as `max_bytes`): the vector, three ids, the signature and msgpack framing."""
-    return 4 * expected_len + 3 * MAX_ID + keys.SIGNATURE_BYTES + 256
+    return LIMITS.for_model(expected_len).max_envelope_bytes
 
 
 def decode_history(data: bytes, *, run_id: str, expected_len: int, max_bytes: int) -> SignedHistory:

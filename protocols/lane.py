@@ -29,11 +29,16 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.limits import StreamLimits
 
 KEY_BYTES = 32
 TAG_BYTES = 16
 MAX_PLAINTEXT = 4 << 20
 MAX_RECORD = MAX_PLAINTEXT + TAG_BYTES
+
+#: One sealed record, checked on its 4-byte length; the frames inside are averaging's.
+LIMITS = StreamLimits("tcp+aes256gcm/2 lane record", MAX_RECORD, framed=False,
+                      note="the averaging swap's, derived from the partner's measured rate")
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size
 

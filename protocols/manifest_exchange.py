@@ -14,10 +14,18 @@ from __future__ import annotations
 
 from protocols import manifest as mf
 from protocols.errors import RemoteProtocolError
+from protocols.limits import StreamLimits
 from protocols.wire import Envelope, encode_envelope
 
 PROTOCOL_ID = "/peertrain/manifest/1.0.0"
 MAX_FRAME = 128 * 1024  # a manifest is at most 64 KiB (protocols/manifest.py)
+MAX_REQUEST = 4096  # manifest.get carries one run-id (~50 chars)
+DEADLINE_S = 10.0
+
+#: What the server reads: one small request, never a tensor.
+REQUEST_LIMITS = StreamLimits(PROTOCOL_ID + " request", MAX_REQUEST, deadline_s=DEADLINE_S)
+#: What the asker reads: the manifest's canonical bytes in one envelope, never a tensor.
+RESPONSE_LIMITS = StreamLimits(PROTOCOL_ID + " response", MAX_FRAME, deadline_s=DEADLINE_S)
 
 
 def encode_request(req_id: int, run_id: str) -> bytes:

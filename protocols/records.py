@@ -14,9 +14,14 @@ import msgpack
 
 from protocols import keys
 from protocols.errors import RemoteProtocolError
+from protocols.limits import StreamLimits
 
 NAMESPACE = "ptpeer"
 MAX_BYTES = 8192
+
+#: One DHT value, checked on its length before msgpack sees it.
+LIMITS = StreamLimits(f"/{NAMESPACE}/<peer-id> DHT record", MAX_BYTES, framed=False,
+                      note="the DHT query's")
 
 
 def peer_key(peer_id: str) -> str:
@@ -59,8 +64,9 @@ def decode(key: str, value: bytes) -> PeerRecord:
         raise RemoteProtocolError(f"malformed record under {key}: {e!r}") from e
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**63:
         raise RemoteProtocolError("record seq must be a non-negative int64")
-    if not all(isinstance(x, str) for x in [*addrs, *runs]):
-        raise RemoteProtocolError("record addrs and runs must be strings")
+    if not (isinstance(addrs, list) and isinstance(runs, list)
+            and all(isinstance(x, str) for x in [*addrs, *runs])):
+        raise RemoteProtocolError("record addrs and runs must be lists of strings")
     if not isinstance(sig, bytes) or not keys.verify(peer_id, _signed_bytes(key, seq, body), sig):
         raise RemoteProtocolError(f"record under {key} is not signed by {peer_id}")
     return PeerRecord(peer_id, seq, tuple(addrs), tuple(runs))

@@ -24,7 +24,17 @@ import msgpack
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.keys import SIGNATURE_BYTES, Signer, public_key_from_peer_id, verify
+from protocols.limits import StreamLimits
 
+#: Anti-entropy: summary -> delta + summary -> delta, one round trip each way.
+PROTOCOL_ID = "/peertrain/meta/1.0.0"
+MAX_DELTA_BYTES = (1 << 20) - 4096  # one wire frame / gossipsub message (1 MiB)
+#: Both sides read the same stream: a summary (<= 10 KiB) or a delta (<= 1 MiB) in one
+#: envelope with room to spare, never a tensor.
+SYNC_LIMITS = StreamLimits(PROTOCOL_ID, 2 << 20, deadline_s=10.0)
+#: One delta gossiped on `/peertrain/<run-id>/meta/1`, checked on its length (decode_delta).
+GOSSIP_LIMITS = StreamLimits("/peertrain/<run-id>/meta/1", MAX_DELTA_BYTES, framed=False,
+                             note="none: a gossip message arrives whole")
 VERSION = 1
 DOMAIN = "peertrain/rundoc/1"  # first field of every signed payload: no cross-protocol reuse
 MAX_KEY_BYTES = 256
@@ -219,7 +229,7 @@ class RunDocument:
         *,
         max_entries: int = 65_536,
         max_value_bytes: int = 8 * 1024,
-        max_delta_bytes: int = (1 << 20) - 4096,  # one wire frame / gossipsub message (1 MiB)
+        max_delta_bytes: int = MAX_DELTA_BYTES,
         max_drift_ms: int = 60_000,
     ) -> None:
         self.run_id, self.signer, self.admins = run_id, signer, frozenset(admins)

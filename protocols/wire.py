@@ -10,8 +10,10 @@ Every protocol module speaks through these frames; docs/wire.md is the full spec
 
 Tensor payloads stay outside msgpack so that neither side copies them through it: the
 sender writes straight from the tensor's memory (`encode_tensor_frame` returns a gather
-list), the receiver fills one preallocated buffer of the announced size, its own or one the
-caller names per header (`FrameDecoder.payload_buffer`, e.g. a slice of the final vector).
+list); the receiver appends to a buffer of its own that grows as the bytes arrive (the
+announced size is the peer's word, not a reason to allocate), or fills one the caller
+names per header (`FrameDecoder.payload_buffer`, e.g. a slice of the final vector, whose
+size the caller already knows to be legitimate).
 
 The crc32 catches corruption and framing bugs, not forgery: the secure channel
 authenticates the stream. On a transport that authenticates every record itself (the
@@ -22,7 +24,9 @@ each side, so a header there may leave it out: a decoder built with
 Limits. `FrameDecoder` takes them as arguments and checks each before allocating:
 `max_frame_bytes` (1 MiB) bounds an envelope and is checked on the 4-byte prefix alone;
 `max_tensor_bytes` (1 GiB) bounds a payload and is checked on its header, before any of
-its bytes are buffered; `allowed_codecs` ({"raw"}) are the payload encodings accepted.
+its bytes are buffered, and 0 refuses every tensor frame on its envelope;
+`allowed_codecs` ({"raw"}) are the payload encodings accepted. These defaults are the
+format's ceilings: each protocol declares its own, smaller ones (protocols/limits.py).
 Fixed by the format: type 1..64 chars, 0 <= id < 2**63, tensor name <= 256 chars,
 ndim <= 8, dtype one of `DTYPES`, msgpack nesting <= 1024 (msgpack's own stack), map keys
 str or bytes. A "raw" payload must be exactly prod(shape) * itemsize bytes.
@@ -245,26 +249,36 @@ def _frame(version: int, type_: str, id_: int, body: Any, max_frame_bytes: int) 
 
 
 class _Payload:
-    """A tensor payload being received: the one allocation sized by the peer, made only
-    after its header passed every check (or the caller's buffer, see payload_buffer)."""
+    """A tensor payload being received, into the caller's buffer (see payload_buffer) or
+    into one of the decoder's own that grows only as payload bytes arrive.
 
-    __slots__ = ("buffer", "check_crc", "crc", "filled", "header", "id")
+    Never sized from the header alone: the header is the peer's word, and bytearray(n)
+    zero-fills all n bytes at once (bytearray(256 MiB) alone makes 269 MB resident), so a
+    10-byte header announcing 1 GiB would cost 1 GiB before a payload byte arrived. Grown
+    with `+=`, a large bytearray is realloc'd in place (mremap), not copied per step.
+    """
+
+    __slots__ = ("buffer", "check_crc", "crc", "filled", "header", "id", "own")
 
     def __init__(self, header: TensorHeader, id_: int, buffer: memoryview | None) -> None:
         self.header = header
         self.id = id_
-        # bytearray(n) is calloc'd: pages are touched only as the payload arrives.
-        self.buffer = memoryview(bytearray(header.length)) if buffer is None else buffer
+        self.buffer = buffer  # the caller's, exactly header.length bytes; or None
+        self.own = bytearray() if buffer is None else None  # ours: what arrived so far
         self.filled = 0
         self.crc = 0
         self.check_crc = header.crc32 is not None
 
     def fill(self, data: memoryview) -> int:
-        """Copy what fits from `data`; return how many bytes were taken."""
-        n = min(len(data), len(self.buffer) - self.filled)
+        """Copy what belongs to this payload from `data`; return how many bytes were taken."""
+        n = min(len(data), self.header.length - self.filled)
         if n:
             chunk = data[:n]
-            self.buffer[self.filled : self.filled + n] = chunk
+            if self.own is not None:
+                self.own += chunk
+            else:
+                assert self.buffer is not None
+                self.buffer[self.filled : self.filled + n] = chunk
             if self.check_crc:
                 self.crc = zlib.crc32(chunk, self.crc)  # while the chunk is still in cache
             self.filled += n
@@ -272,13 +286,20 @@ class _Payload:
 
     def written(self, n: int) -> None:
         """`n` bytes were written in place after the filled part (receive_buffer)."""
+        assert self.buffer is not None
         if self.check_crc:
             self.crc = zlib.crc32(self.buffer[self.filled : self.filled + n], self.crc)
         self.filled += n
 
     @property
     def complete(self) -> bool:
-        return self.filled == len(self.buffer)
+        return self.filled == self.header.length
+
+    def result(self) -> memoryview:
+        if self.own is not None:
+            return memoryview(self.own)
+        assert self.buffer is not None
+        return self.buffer
 
 
 class FrameDecoder:
@@ -289,8 +310,10 @@ class FrameDecoder:
     are refused, after which the decoder is dead and every call raises that class again.
 
     Memory: an incomplete envelope is never waited for beyond max_frame_bytes + 4 bytes;
-    a payload is received into one buffer of exactly its announced length. Apart from that,
-    the decoder holds only what was fed and not yet returned as events.
+    a payload is received into a buffer that grows as its bytes arrive (never allocated on
+    the header's word), or into the one `payload_buffer` names. Apart from that, the
+    decoder holds only what was fed and not yet returned as events. Build one from a
+    protocol's declared limits (protocols/limits.py: `LIMITS.decoder()`), not by hand.
 
     `require_crc32=False` is for a transport that authenticates every byte (the AES-GCM
     lane): a tensor header may then leave out its crc32. A crc32 that is present is checked.
@@ -348,14 +371,17 @@ class FrameDecoder:
     def receive_buffer(self) -> memoryview | None:
         """Where the stream's next bytes may be written in place, or None.
 
-        While a tensor payload is arriving and nothing else is buffered, this is the rest
-        of its buffer. A reader that can fill memory itself (`recv_into`, an AEAD's
-        `decrypt_into`) writes up to len() bytes at its start and then calls
-        `received_into(n)` instead of `feed`: the bytes are never copied. At any other
-        time (None), `feed` as usual.
+        While a tensor payload is arriving into a buffer the caller named (payload_buffer)
+        and nothing else is buffered, this is the rest of that buffer. A reader that can
+        fill memory itself (`recv_into`, an AEAD's `decrypt_into`) writes up to len() bytes
+        at its start and then calls `received_into(n)` instead of `feed`: the bytes are
+        never copied. At any other
+        time (None), `feed` as usual: the decoder's own buffer is never handed out, since
+        it grows only by what arrives (handing out room for the rest would mean allocating
+        it on the header's word).
         """
         payload = self._payload
-        if payload is None or self._buffer or self._error is not None:
+        if payload is None or payload.buffer is None or self._buffer or self._error is not None:
             return None
         return payload.buffer[payload.filled :]
 
@@ -363,7 +389,7 @@ class FrameDecoder:
         """`n` bytes were written at the start of the last `receive_buffer()`."""
         self._check_alive()
         payload = self._payload
-        if payload is None or self._buffer:
+        if payload is None or payload.buffer is None or self._buffer:
             raise LocalProtocolError("received_into() without a receive_buffer() to fill")
         if type(n) is not int or not 0 <= n <= len(payload.buffer) - payload.filled:
             raise LocalProtocolError(f"received_into({n!r}): the buffer had room for "
@@ -411,6 +437,10 @@ class FrameDecoder:
         type_, id_, body = _parse_envelope(_unpack(frame))
         if type_ != TENSOR_TYPE:
             return Envelope(type_, id_, body)
+        if self.max_tensor_bytes == 0:  # a stream that carries no tensors: not even a header
+            raise RemoteProtocolError(
+                "tensor frame refused: this stream carries none (max_tensor_bytes=0)"
+            )
         header = self._parse_header(body)
         self._payload = _Payload(header, id_, self._caller_buffer(header))
         return self._continue_payload()
@@ -430,7 +460,7 @@ class FrameDecoder:
                 f"tensor {payload.header.name!r}: crc32 {payload.crc:#010x} does not match"
                 f" the header's {payload.header.crc32:#010x}"
             )
-        return TensorFrame(payload.header, payload.buffer, payload.id)
+        return TensorFrame(payload.header, payload.result(), payload.id)
 
     def _caller_buffer(self, header: TensorHeader) -> memoryview | None:
         if self.payload_buffer is None:

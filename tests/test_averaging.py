@@ -351,7 +351,8 @@ def test_nothing_may_follow_done():
     refuses(b, frame("theta/3", vec[:40]), "max_tensor_bytes=0")
     a, b = agreed()
     feed(b, a.send_vector(vec))
-    refuses(b, frame("theta/3", torch.empty(0)), "unexpected tensor frame")
+    # even an empty one: after done no tensor frame is taken, refused on its envelope
+    refuses(b, frame("theta/3", torch.empty(0)), "max_tensor_bytes=0")
     a, b = agreed()
     feed(b, a.send_vector(vec))
     refuses(b, message("avg.done", {"round": 3, "frames": 3}), "unexpected message 'avg.done'")
@@ -361,7 +362,7 @@ def test_a_tensor_frame_before_the_accept_is_refused_on_its_header():
     a, b = pair()
     feed(b, a.initiate())
     header = join(frame("theta/0", torch.randn(40)))[:-160]  # its payload not sent yet
-    refuses(b, header, "exceeds max_tensor_bytes=0")
+    refuses(b, header, "carries none \\(max_tensor_bytes=0\\)")
 
 
 # The state machine is its table: every (role, state, cause) not in it is refused.
@@ -477,7 +478,7 @@ def test_fuzz_a_corrupted_exchange(codec, data):
     offer_end = len(stream)
     feed(b, stream)
     feed(a, b.accept(codec))
-    stream += join(a.send_vector(torch.randn(60)))
+    stream += join(a.send_vector(torch.randn(60, generator=torch.Generator().manual_seed(0))))
     b = av.Exchange("responder", RUN, None, None, ["fp32"])
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(stream) - 1))

@@ -31,9 +31,8 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
 
     async def lie(stream):  # answers every request with garbage of the right shape
         from node.streams import next_event
-        from protocols.wire import FrameDecoder
 
-        decoder = FrameDecoder(max_frame_bytes=4096)
+        decoder = cx.REQUEST_LIMITS.decoder()
         while True:
             env = await next_event(stream, decoder)
             if env.type == "ckpt.manifest":

@@ -312,6 +312,12 @@ def drain_in_place(decoder: FrameDecoder, chunks: list[bytes]) -> list[Envelope 
     return [e for chunk in chunks for e in feed_in_place(decoder, decoder.feed, chunk)]
 
 
+def callers_buffer(header: TensorHeader) -> memoryview | None:
+    """A payload_buffer naming a buffer of the caller's for every other tensor (by name
+    length), so that both in-place and fed payloads are exercised."""
+    return memoryview(bytearray(header.length)) if len(header.name) % 2 else None
+
+
 @FAST
 @given(
     items=st.lists(st.one_of(envelopes, st.tuples(st.sampled_from(sorted(DTYPES)), shapes))),
@@ -320,7 +326,7 @@ def drain_in_place(decoder: FrameDecoder, chunks: list[bytes]) -> list[Envelope 
 def test_receiving_in_place_gives_the_same_events(items: list[Any], data: st.DataObject) -> None:
     wire = mixed_wire(items)
     chunks = cut(wire, data.draw(st.lists(st.integers(0, len(wire)), max_size=16)))
-    decoder = FrameDecoder()
+    decoder = FrameDecoder(payload_buffer=callers_buffer)
     assert drain_in_place(decoder, chunks) == drain(FrameDecoder(), chunks)
     assert decoder.statistics().bytes_in == len(wire)
 
@@ -329,11 +335,25 @@ def test_bytes_received_in_place_are_crc_checked() -> None:
     wire = bytearray(wire_of_tensor(torch.ones(4)))
     wire[-1] ^= 1
     with pytest.raises(RemoteProtocolError, match="crc32"):
-        drain_in_place(FrameDecoder(), [bytes(wire[:-16]), bytes(wire[-16:])])
+        decoder = FrameDecoder(payload_buffer=lambda h: memoryview(bytearray(h.length)))
+        drain_in_place(decoder, [bytes(wire[:-16]), bytes(wire[-16:])])
+
+
+def test_the_decoders_own_buffer_is_never_handed_out() -> None:
+    """Room for the rest of a payload would be allocated on the header's word: fed instead."""
+    wire = wire_of_tensor(torch.ones(4))
+    decoder = FrameDecoder()
+    decoder.feed(wire[:-10])
+    assert decoder.next_event() is NEED_DATA  # the payload is under way, into our buffer
+    assert decoder.receive_buffer() is None
+    with pytest.raises(LocalProtocolError, match="without a receive_buffer"):
+        decoder.received_into(0)
+    decoder.feed(wire[-10:])
+    assert isinstance(decoder.next_event(), TensorFrame)
 
 
 def test_received_into_misuse() -> None:
-    decoder = FrameDecoder()
+    decoder = FrameDecoder(payload_buffer=lambda h: memoryview(bytearray(h.length)))
     assert decoder.receive_buffer() is None  # no payload under way
     with pytest.raises(LocalProtocolError, match="without a receive_buffer"):
         decoder.received_into(0)

@@ -35,8 +35,7 @@ from protocols.errors import ProtocolError
 
 log = logging.getLogger("node.averaging.history")
 
-PROTOCOL_ID = "/peertrain/sybilwall/1.0.0"
-HEADER_ALLOWANCE = 4096  # msgpack keys, ids, signature: far below this
+PROTOCOL_ID = hp.PROTOCOL_ID
 
 
 class HistoryGossip:
@@ -70,7 +69,7 @@ class HistoryGossip:
 
     @property
     def max_bytes(self) -> int:
-        return 4 * self.learning.numel + HEADER_ALLOWANCE
+        return hp.LIMITS.for_model(self.learning.numel).max_envelope_bytes
 
     def statistics(self) -> dict[str, Any]:
         return {"sent": self.sent, "accepted": self.accepted, "refused": dict(self.refused),
@@ -118,7 +117,7 @@ class HistoryGossip:
         try:
             if self._table() is None:
                 raise hp.HistoryError("this node does not run SybilWall (yet)")
-            with trio.fail_after(10):
+            with trio.fail_after(hp.LIMITS.deadline_s or 10.0):
                 data = await _read_all(stream, self.max_bytes)
             self._receive(sender, data)
         except (ProtocolError, trio.TooSlowError) as e:

@@ -28,7 +28,7 @@ from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
 from protocols.errors import RemoteProtocolError
-from protocols.wire import Envelope, FrameDecoder
+from protocols.wire import Envelope
 
 log = logging.getLogger("node.ckpt")
 _ids = itertools.count(1)
@@ -56,10 +56,10 @@ class CheckpointServer:
         return {"served": self.served, "not_held": self.missing}
 
     async def handle(self, stream: INetStream) -> None:
-        decoder = FrameDecoder(max_frame_bytes=4096)
+        decoder = cx.REQUEST_LIMITS.decoder()
         try:
             while True:
-                with trio.fail_after(30):
+                with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
                     try:
                         env = await next_event(stream, decoder)
                     except RemoteProtocolError:
@@ -95,7 +95,7 @@ class _Session:
     def __init__(self, substrate: Substrate, peer: ID) -> None:
         self.substrate, self.peer = substrate, peer
         self.stream: INetStream | None = None
-        self.decoder = FrameDecoder(max_frame_bytes=cx.MAX_FRAME)
+        self.decoder = cx.RESPONSE_LIMITS.decoder()
 
     async def ask(self, request: bytes, req_id: int, kind: str) -> bytes:
         if self.stream is None:

@@ -25,7 +25,7 @@ from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
 from protocols.errors import RemoteProtocolError
-from protocols.wire import Envelope, FrameDecoder
+from protocols.wire import Envelope
 
 log = logging.getLogger("node.run")
 _req_ids = itertools.count(1)
@@ -60,8 +60,8 @@ class ManifestService:
         assert self._ctx is not None
         store: RunStore = self._ctx.runs
         try:
-            with trio.fail_after(10):
-                env = await next_event(stream, FrameDecoder(max_frame_bytes=mx.MAX_FRAME))
+            with trio.fail_after(mx.REQUEST_LIMITS.deadline_s or 10.0):
+                env = await next_event(stream, mx.REQUEST_LIMITS.decoder())
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request envelope")
                 run_id = mx.parse_request(env)
@@ -132,7 +132,7 @@ async def fetch_manifest(substrate: Substrate, peer: ID, run_id: str,
         stream = await substrate.open_stream(peer, mx.PROTOCOL_ID)
         try:
             await stream.write(mx.encode_request(req_id, run_id))
-            env = await next_event(stream, FrameDecoder(max_frame_bytes=mx.MAX_FRAME))
+            env = await next_event(stream, mx.RESPONSE_LIMITS.decoder())
         finally:
             await stream.close()
     if not isinstance(env, Envelope):

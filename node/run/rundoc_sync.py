@@ -32,12 +32,12 @@ from node.streams import next_event
 from protocols import rundoc
 from protocols.errors import ProtocolError, RemoteProtocolError
 from protocols.keys import Signer
-from protocols.wire import Envelope, FrameDecoder, encode_envelope
+from protocols.wire import Envelope, encode_envelope
 
 log = logging.getLogger("node.rundoc")
 
-PROTOCOL_ID = "/peertrain/meta/1.0.0"
-MAX_FRAME = 2 << 20  # a delta is at most 1 MiB; its envelope adds a few bytes
+PROTOCOL_ID = rundoc.PROTOCOL_ID
+MAX_FRAME = rundoc.SYNC_LIMITS.max_envelope_bytes  # a delta is at most 1 MiB
 
 
 def topic(run_id: str) -> str:
@@ -220,7 +220,7 @@ class RunDocSync:
 
     async def _sync_with(self, peer: str) -> None:
         stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID)
-        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        decoder = rundoc.SYNC_LIMITS.decoder()
         try:
             await stream.write(encode_envelope(
                 Envelope("meta.summary", 1, {"summary": self.doc.summary()}),
@@ -235,9 +235,9 @@ class RunDocSync:
 
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
-        decoder = FrameDecoder(max_frame_bytes=MAX_FRAME)
+        decoder = rundoc.SYNC_LIMITS.decoder()
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(rundoc.SYNC_LIMITS.deadline_s or 10.0):
                 request = _expect(await next_event(stream, decoder), "meta.summary")
                 await stream.write(encode_envelope(Envelope("meta.delta", 1, {
                     "delta": self.doc.delta_since(request["summary"]),
