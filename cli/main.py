@@ -7,17 +7,14 @@ printed as one clear message with a non-zero exit code; Ctrl-C exits quietly wit
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
-import trio
 import typer
 
-from cli.common import fail, out
+from cli.common import fail, out, run_async
 from node.config import NodeConfig, default_state_dir
 from node.control import ControlUnavailable, query_control
-from node.errors import NodeError
 from node.logs import setup_logging
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -33,20 +30,6 @@ Bootstrap = Annotated[list[str] | None, typer.Option(
 Listen = Annotated[list[str] | None, typer.Option(
     "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
-
-
-def run_async(main: Callable[[], Awaitable[None]]) -> None:
-    """trio.run with the errors a user sees turned into messages, not tracebacks."""
-    try:
-        trio.run(main)
-    except* KeyboardInterrupt:
-        # trio wraps Ctrl-C in an exception group; Typer would print it all.
-        raise typer.Exit(130) from None
-    except* NodeError as group:
-        e = group.exceptions[0]
-        while isinstance(e, BaseExceptionGroup):
-            e = e.exceptions[0]
-        raise fail(str(e), getattr(e, "exit_code", 1)) from None
 
 
 @app.command()
