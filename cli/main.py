@@ -47,6 +47,9 @@ def join(
     attack: Annotated[str | None, typer.Option(
         help="Testnets only: act as a sybil sending a poisoned model (label-flip or backdoor)"
              " to test a run's defences. See docs/robustness.md.")] = None,
+    neighbour: Annotated[list[str] | None, typer.Option(
+        "--neighbour", help="Testnets only: exchange with exactly this peer id every round"
+        " (repeatable; each must name us too), not the run's pairing.")] = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -66,7 +69,8 @@ def join(
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
                         join_timeout_s=join_timeout, train=not no_train,
-                        data=[str(p) for p in data or []], attack=attack)
+                        data=[str(p) for p in data or []], attack=attack,
+                        neighbours=list(neighbour or []))
     missing = [p for p in config.data if not Path(p).exists()]
     if missing:
         raise fail(f"--data {missing[0]}: no such file or directory", 2)

@@ -227,7 +227,7 @@ class Node:
                                  if e.info.get("role") == "node"],
                 codecs=[manifest.outer.codec, "fp32"], group_size=manifest.outer.group_size,
                 step_time=self._step_time, inner_steps=manifest.outer.inner_steps,
-                neighbours=neighbours(manifest))
+                neighbours=neighbours(manifest), fixed_neighbours=self.config.neighbours)
         self.training = TrainingService(
             lambda: build_training(manifest, self.peer_id, device, self.config.data,
                                    resume=(self.checkpoints, latest) if latest else None,
