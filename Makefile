@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NODES  ?= 4
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test test-fast lint bench venv clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,12 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The edit loop: everything but the tests that start node processes (marked slow) and the
+# js-libp2p interop test; seconds to about a minute.
+test-fast: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow and not interop"
 
 lint: venv
 	$(BIN)/ruff check .

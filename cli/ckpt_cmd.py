@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import err, fail, out
+from cli.common import err, fail, out, run_async
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.config import default_state_dir
 
@@ -69,7 +69,6 @@ def pull(
     """Download a checkpoint from its providers in parallel, verify it, store it here."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from cli.main import run_async
     from node.checkpoints.fetch import FetchReport, fetch
     from protocols import checkpoint as ck
     from protocols import manifest as mf

@@ -7,16 +7,13 @@ printed as one clear message with a non-zero exit code; Ctrl-C exits quietly wit
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
-import trio
 import typer
 
-from cli.common import fail, out
+from cli.common import fail, out, run_async
 from node.config import NodeConfig, default_state_dir
-from node.errors import NodeError
 from node.status.control import ControlUnavailable, query_control
 from node.status.logs import setup_logging
 
@@ -35,20 +32,6 @@ Listen = Annotated[list[str] | None, typer.Option(
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
 
 
-def run_async(main: Callable[[], Awaitable[None]]) -> None:
-    """trio.run with the errors a user sees turned into messages, not tracebacks."""
-    try:
-        trio.run(main)
-    except* KeyboardInterrupt:
-        # trio wraps Ctrl-C in an exception group; Typer would print it all.
-        raise typer.Exit(130) from None
-    except* NodeError as group:
-        e = group.exceptions[0]
-        while isinstance(e, BaseExceptionGroup):
-            e = e.exceptions[0]
-        raise fail(str(e), getattr(e, "exit_code", 1)) from None
-
-
 @app.command()
 def join(
     run_id: Annotated[str, typer.Argument(help="The run to join (from `node run create`).")],
@@ -64,6 +47,9 @@ def join(
     attack: Annotated[str | None, typer.Option(
         help="Testnets only: act as a sybil sending a poisoned model (label-flip or backdoor)"
              " to test a run's defences. See docs/robustness.md.")] = None,
+    neighbour: Annotated[list[str] | None, typer.Option(
+        "--neighbour", help="Testnets only: exchange with exactly this peer id every round"
+        " (repeatable; each must name us too), not the run's pairing.")] = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -83,7 +69,8 @@ def join(
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
                         join_timeout_s=join_timeout, train=not no_train,
-                        data=[str(p) for p in data or []], attack=attack)
+                        data=[str(p) for p in data or []], attack=attack,
+                        neighbours=list(neighbour or []))
     missing = [p for p in config.data if not Path(p).exists()]
     if missing:
         raise fail(f"--data {missing[0]}: no such file or directory", 2)

@@ -33,6 +33,11 @@ class NodeConfig:
     # Testnet attack scenarios only: train on poisoned data, keep the poisoned model, send it
     # to every neighbour ("label-flip" | "backdoor"; None = an honest node). docs/robustness.md
     attack: str | None = None
+    # Testnets and tests only: exchange with exactly these peers (peer ids, those of them
+    # that are live) every round, instead of the run's pairing or random gossip neighbours.
+    # Makes a scenario's topology deterministic (which honest node meets which sybils).
+    # Every listed peer must list us too: the responder refuses anyone not in its list.
+    neighbours: list[str] = field(default_factory=list)
 
     @property
     def role(self) -> str:

@@ -169,6 +169,7 @@ class Node:
                 codecs=[m.outer.codec, "fp32"], group_size=m.outer.group_size,
                 step_time=run.progress.step_time, inner_steps=m.outer.inner_steps,
                 stats=run.progress, neighbours=neighbours(m),
+                fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None)
             services.append(averager)
         services.append(TrainingService(

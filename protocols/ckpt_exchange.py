@@ -5,7 +5,8 @@
     <- error {code: "unknown" | "bad-request", message}
 
 One stream carries any number of requests, one at a time. The asker verifies everything:
-manifest bytes against the cid, chunk bytes against the manifest's sha256 (node/ckpt_sync).
+manifest bytes against the cid, chunk bytes against the manifest's sha256
+(node/checkpoints/exchange.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from protocols.wire import Envelope, encode_envelope
 PROTOCOL_ID = "/peertrain/ckpt/1.0.0"
 MAX_FRAME = CHUNK_BYTES + 64 * 1024  # one chunk's bytes (msgpack bin) and its envelope
 MAX_REQUEST = 4096  # ckpt.manifest / ckpt.chunk: a cid (<= 64 chars) and an index
-DEADLINE_S = 30.0  # per request and per response (node/ckpt_sync's chunk_timeout)
+DEADLINE_S = 30.0  # per request and per response (node/checkpoints/exchange.pull chunk_timeout)
 
 #: What the server reads: small requests, any number in sequence, never a tensor.
 REQUEST_LIMITS = StreamLimits(PROTOCOL_ID + " request", MAX_REQUEST, deadline_s=DEADLINE_S)

@@ -150,13 +150,17 @@ def tail(path: Path, lines: int) -> str:
 def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: bool = False,
        extra_node_args: list[str] | None = None, timeout: float = 60.0,
        sybils: int = 0, attack: str | None = None, aggregator: str | None = None,
-       netns: bool = False, on_progress=lambda msg: None) -> Testnet:
+       netns: bool = False, neighbours: dict[str, list[str]] | None = None,
+       on_progress=lambda msg: None) -> Testnet:
     """Start a bootstrap and `nodes` nodes; return once every node is running.
 
     With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
     training the same poisoned model (`attack`); `aggregator` overrides the manifest's
     aggregate.method (docs/robustness.md). `netns`: each process in a network namespace of
-    its own (root only), for `partition` and `heal`.
+    its own (root only), for `partition` and `heal`. `neighbours` fixes who exchanges with
+    whom every round, by process name (`{"node1": ["sybil1", "sybil2"]}`; the relation is
+    made symmetric), instead of the run's random pairing: a scenario whose outcome depends
+    on who meets whom becomes deterministic. Processes not named keep the run's pairing.
     """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
@@ -179,6 +183,10 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
                                                           "method": aggregator}})
         except ValueError as e:
             raise TestnetError(f"--aggregator {aggregator}: {e}") from e
+    # Before anything starts: a topology naming processes we will not start is refused.
+    fixed = _neighbour_args(directory, [*(f"node{i}" for i in range(1, nodes + 1)),
+                                        *(f"sybil{i}" for i in range(1, sybils + 1))],
+                            neighbours or {})
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     boot_dir = directory / "bootstrap"
     run_id = RunStore(boot_dir).put(mf.canonical_bytes(m))
@@ -211,13 +219,15 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             d = directory / f"node{i}"
             (d / "addrs.json").unlink(missing_ok=True)
             procs.append(_spawn(f"node{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
-                                                "--listen", LOOPBACK, *(extra_node_args or [])],
+                                                "--listen", LOOPBACK, *(extra_node_args or []),
+                                                *fixed.get(f"node{i}", [])],
                                 detached, env, topo))
         for i in range(1, sybils + 1):
             d = directory / f"sybil{i}"
             (d / "addrs.json").unlink(missing_ok=True)
             procs.append(_spawn(f"sybil{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
-                                                 "--listen", LOOPBACK, "--attack", str(attack)],
+                                                 "--listen", LOOPBACK, "--attack", str(attack),
+                                                 *fixed.get(f"sybil{i}", [])],
                                 detached, env, topo))
         net.save()
         _wait_for(lambda: all(_phase(p) == "running" for p in procs), timeout,
@@ -226,6 +236,34 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         down(directory)
         raise
     return net
+
+
+def symmetric(neighbours: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The neighbour relation made symmetric: b in a's list puts a in b's."""
+    out: dict[str, set[str]] = {}
+    for a, bs in neighbours.items():
+        for b in bs:
+            if a != b:
+                out.setdefault(a, set()).add(b)
+                out.setdefault(b, set()).add(a)
+    return {a: sorted(bs) for a, bs in sorted(out.items())}
+
+
+def _neighbour_args(directory: Path, names: list[str],
+                    neighbours: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`--neighbour <peer id>` flags per process name. Peer ids are known before anything
+    starts: each named process's identity is created in its state directory now."""
+    relation = symmetric(neighbours)
+    unknown = sorted(set(relation) - set(names))
+    if unknown:
+        raise TestnetError(f"neighbours name processes this testnet does not have: {unknown}")
+    if not relation:
+        return {}
+    from p2p.identity import load_or_create_identity, peer_id_of
+
+    ids = {name: peer_id_of(load_or_create_identity(directory / name)) for name in relation}
+    return {name: [arg for b in bs for arg in ("--neighbour", ids[b])]
+            for name, bs in relation.items()}
 
 
 def _read_addrs(state_dir: Path) -> list[str] | None:

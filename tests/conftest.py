@@ -1,4 +1,10 @@
-"""Shared fixtures: real node processes on loopback, and waiting with deadlines (no sleeps)."""
+"""Shared fixtures and helpers: real node processes on loopback, their control sockets, and
+waiting for a condition with a deadline (no sleeps as synchronization).
+
+Every test that starts node processes (a testnet, `node join`, a bench testnet) is marked
+`@pytest.mark.slow`; `make test-fast` leaves those out. Deadlines in `wait_until` are upper
+bounds for a loaded 2-core machine: a healthy run passes them long before, so they are
+generous on purpose (a deadline never slows a passing test down)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
+from node.status.control import query_control
 from testnet import launcher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +59,54 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+async def await_until(predicate: Callable[[], Any], timeout: float, what: str,
+                      interval: float = 0.1) -> Any:
+    """`wait_until` for trio tests: polls without blocking the test's own event loop."""
+    deadline = trio.current_time() + timeout
+    last = None
+    while trio.current_time() < deadline:
+        last = predicate()
+        if last:
+            return last
+        await trio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def status(p: launcher.Proc, cmd: str = "status") -> dict:
+    """A node's control-socket answer to `cmd`, {} while it cannot answer (starting, busy,
+    exiting): for polling inside `wait_until`."""
+    try:
+        return query_control(Path(p.state_dir), cmd) or {}
+    except Exception:
+        return {}
+
+
+def answer(p: launcher.Proc, cmd: str = "status", timeout: float = 60) -> dict:
+    """A node's control-socket answer, waiting (bounded) for one: a loaded node may take
+    longer than query_control's own 3 s to answer once."""
+    return wait_until(lambda: status(p, cmd), timeout, f"{p.name} to answer {cmd!r}")
+
+
+def training(p: launcher.Proc) -> dict:
+    """The `training` part of a node's status, {} when absent or unanswered."""
+    return status(p).get("training") or {}
+
+
+def peers(p: launcher.Proc) -> list[dict]:
+    """The live peers a node has heard (its membership service), [] when unanswered."""
+    return (status(p).get("membership") or {}).get("peers", [])
+
+
+def members(p: launcher.Proc) -> list[dict]:
+    """The run's members in a node's run document (its membership service)."""
+    return (status(p).get("membership") or {}).get("members", [])
+
+
+def nodes(net: launcher.Testnet) -> list[launcher.Proc]:
+    """Every process of a testnet except its bootstrap."""
+    return [p for p in net.procs if p.name != "bootstrap"]
 
 
 def run_cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from testnet.bench.p2p import throughput_once
 from testnet.bench.report import write_section
 
@@ -19,6 +21,7 @@ def test_sections_are_replaced_not_duplicated(tmp_path: Path):
     assert text.count("<!-- bench:a:start -->") == 1
 
 
+@pytest.mark.slow  # two libp2p host processes
 def test_two_process_throughput_path_runs(tmp_path: Path):
     result = throughput_once("libp2p", 2, tmp_path)
     assert result["mb_s"] > 0 and result["recv_cpu"] > 0

@@ -10,6 +10,8 @@ import pytest
 from testnet import netns
 from testnet.bench import join, partition, pull
 
+pytestmark = pytest.mark.slow  # each bench starts a testnet
+
 
 def test_join_bench_writes_its_phases(tmp_path: Path):
     doc = tmp_path / "benchmarks.md"

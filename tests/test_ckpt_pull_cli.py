@@ -7,12 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from node.checkpoints.store import CheckpointStore
 from protocols.checkpoint import CHUNK_BYTES
 from testnet import launcher
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow  # starts a testnet
 
 RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 NOBODY = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGS6T1716viYBvUvYZED6oPcgCwAv4JewvfCZjLUajEPt"
@@ -23,7 +26,7 @@ def addr(p: launcher.Proc) -> str:
 
 
 def test_pull_from_two_running_nodes_and_the_errors_users_see(testnet_factory, tmp_path):
-    net = testnet_factory(1, extra_node_args=["--no-train"])
+    net = testnet_factory(1, extra_node_args=["--no-train"], timeout=120)
     boot, node = net.procs[0], net.procs[1]
     # Both running processes serve what their store holds (they read it per request).
     weights = {"w": torch.randn(5 * CHUNK_BYTES // 4 + 100)}  # 6 chunks

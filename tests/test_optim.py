@@ -264,3 +264,20 @@ def test_gossip_neighbours_are_symmetric_about_k_and_agreed_by_everyone(n, k):
         assert mean >= min(n - 1, k) * 0.75
     met = {q for r in range(10) for q in neighbours_of("peer-00", r, peers, k)}
     assert len(met) > k or n <= k + 1  # the graph changes from round to round
+
+
+def test_a_fixed_topology_replaces_pairing_and_random_neighbours():
+    """NodeConfig.neighbours (`node join --neighbour`, testnets): the same live peers every
+    round, whatever the run's pairing would draw; a listed peer that is gone is skipped."""
+    from types import SimpleNamespace
+
+    from node.averaging.service import Averager
+
+    live = ["a", "b", "c", "d", "e"]
+    substrate = SimpleNamespace(set_handler=lambda *args: None, listen=[])
+    for k in (None, 2):
+        avg = Averager(substrate, "run", "a", lambda: live, codecs=["fp32"], neighbours=k,
+                       fixed_neighbours=["c", "e", "gone", "a"])
+        assert all(avg.group(r) == ["c", "e"] for r in range(20))
+        drawn = Averager(substrate, "run", "a", lambda: live, codecs=["fp32"], neighbours=k)
+        assert len({tuple(drawn.group(r)) for r in range(20)}) > 1  # the run's draw varies

@@ -15,23 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from node.status.control import query_control
 from testnet import launcher, netns
-from tests.conftest import REPO, run_cli, wait_until
-
-
-def status(p: launcher.Proc) -> dict:
-    try:
-        return query_control(Path(p.state_dir))
-    except Exception:
-        return {}
+from tests.conftest import REPO, answer, members, nodes, peers, run_cli, status, wait_until
 
 
 def stamps(p: launcher.Proc) -> dict[str, list]:
-    try:
-        return query_control(Path(p.state_dir), "rundoc")
-    except Exception:
-        return {}
+    return status(p, "rundoc")
 
 
 def step(p: launcher.Proc) -> int:
@@ -39,7 +28,7 @@ def step(p: launcher.Proc) -> int:
 
 
 def live_peers(p: launcher.Proc) -> set[str]:
-    return {q["peer_id"] for q in (status(p).get("membership") or {}).get("peers", [])}
+    return {q["peer_id"] for q in peers(p)}
 
 
 def holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
@@ -62,17 +51,19 @@ def namespaces_available() -> None:
         pytest.skip(reason)
 
 
+@pytest.mark.slow  # a namespaced testnet of 4 nodes
 def test_split_halves_keep_training_and_converge_after_heal(
     namespaces_available, testnet_factory, tmp_path
 ):
-    net = testnet_factory(4, manifest=launcher.scenario_manifest_path("partition"), netns=True)
+    net = testnet_factory(4, manifest=launcher.scenario_manifest_path("partition"), netns=True,
+                          timeout=180)
     tag = net.netns["tag"]
-    nodes = [p for p in net.procs if p.name != "bootstrap"]
-    ids = {p.name: status(p)["peer_id"] for p in net.procs}
-    for p in nodes:
+    trainers = nodes(net)
+    ids = {p.name: answer(p)["peer_id"] for p in net.procs}
+    for p in trainers:
         wait_until(
-            lambda p=p: len(status(p)["membership"]["members"]) == 3 and step(p) > 0,
-            90,
+            lambda p=p: len(members(p)) == 3 and step(p) > 0,
+            240,
             f"{p.name} to train and list 3 members",
         )
 
@@ -80,19 +71,19 @@ def test_split_halves_keep_training_and_converge_after_heal(
     assert r.returncode == 0, r.stderr
     assert "bootstrap node1 node2  |  node3 node4" in r.stderr
     split_ms = time.time_ns() // 1_000_000
-    a, b = nodes[:2], nodes[2:]
-    at_split = {p.name: step(p) for p in nodes}
+    a, b = trainers[:2], trainers[2:]
+    at_split = {p.name: step(p) for p in trainers}
     for side, other in ((a, b), (b, a)):
         far = {ids[q.name] for q in other}
         for p in side:
             wait_until(
                 lambda p=p, far=far: live_peers(p) and not live_peers(p) & far,
-                30,
+                60,
                 f"{p.name} to lose the other half",
             )
     # Both halves keep training: two more outer rounds (H = 20) on every node.
-    for p in nodes:
-        wait_until(lambda p=p: step(p) >= at_split[p.name] + 40, 120, f"{p.name} to train on")
+    for p in trainers:
+        wait_until(lambda p=p: step(p) >= at_split[p.name] + 40, 240, f"{p.name} to train on")
 
     def new_checkpoint_in_b() -> str | None:
         for p in b:
@@ -102,22 +93,22 @@ def test_split_halves_keep_training_and_converge_after_heal(
                 return cid, f"peer/{ids[p.name]}/ckpt/{cid}"
         return None
 
-    cid_b, key_b = wait_until(new_checkpoint_in_b, 120, "half B to checkpoint during the split")
-    assert key_b not in stamps(a[0])  # the split is real for the run document
+    cid_b, key_b = wait_until(new_checkpoint_in_b, 240, "half B to checkpoint during the split")
+    assert key_b not in answer(a[0], "rundoc")  # the split is real for the run document
 
-    snapshot = union([stamps(p) for p in nodes])
+    snapshot = union([answer(p, "rundoc") for p in trainers])
     r = run_cli("testnet", "heal", "--dir", net.dir)
     assert r.returncode == 0, r.stderr
     healed = time.monotonic()
     wait_until(
-        lambda: all(holds(stamps(p), snapshot) for p in nodes),
-        60,
+        lambda: all(holds(stamps(p), snapshot) for p in trainers),
+        120,
         "every run document to hold what both halves wrote",
     )
     converged_s = time.monotonic() - healed
-    for p in nodes:
-        others = {ids[q.name] for q in nodes if q is not p}
-        wait_until(lambda p=p, o=others: live_peers(p) == o, 30, f"{p.name} to see all 3 peers")
+    for p in trainers:
+        others = {ids[q.name] for q in trainers if q is not p}
+        wait_until(lambda p=p, o=others: live_peers(p) == o, 60, f"{p.name} to see all 3 peers")
     print(f"run documents converged {converged_s:.1f} s after the heal")
 
     # The DHT is whole again: entering it through node1 (half A) finds half B's provider
@@ -143,7 +134,7 @@ def test_split_halves_keep_training_and_converge_after_heal(
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         cwd=REPO,
         stdin=subprocess.DEVNULL,
     )

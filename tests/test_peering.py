@@ -1,8 +1,12 @@
 """The redialer (node/membership/redial.py) against a fake host: whom it dials, and how it
-backs off."""
+backs off.
+
+The backoff runs on trio's clock; these tests let it pass with pytest-trio's
+`autojump_clock` (a sleep returns at once, the clock jumps), not by editing its tables."""
 
 from __future__ import annotations
 
+import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -37,11 +41,16 @@ class FakeHost:
         return ID.from_base58(peer)
 
 
-def due_now(r: Redialer) -> None:
-    r._next_try.clear()  # skip the wait of the backoff, keep its length
+def backs_off(r: Redialer, peer: str, wait: float) -> bool:
+    """`peer` is tried again in `wait` seconds less up to 20% jitter (statistics() rounds
+    to 0.1 s)."""
+    left = r.statistics()["backing_off"][peer]  # type: ignore[index]
+    return 0.8 * wait - 0.05 <= left <= wait + 0.05
 
 
-async def test_bootstrap_always_members_while_few_connections_and_backoff_is_capped():
+async def test_bootstrap_always_members_while_few_connections_and_backoff_is_capped(
+    autojump_clock,
+):
     boot, boot_addr = peer_addr(1)
     a, a_addr = peer_addr(2)
     b, b_addr = peer_addr(3)
@@ -51,34 +60,41 @@ async def test_bootstrap_always_members_while_few_connections_and_backoff_is_cap
 
     assert await r.tick() == 1  # a is reached; the bootstrap and b are not
     assert set(host.dialed) == {boot, a, b} and host.connected == {a}
-    waits = []
-    for _ in range(6):
-        due_now(r)
+    assert backs_off(r, b, r.backoff_min_s)
+    host.dialed.clear()
+    await r.tick()
+    assert host.dialed == []  # nobody is due before their backoff has passed
+    last = r.backoff_min_s
+    for wait in [2.0, 4.0, 8.0, 8.0, 8.0, 8.0]:  # doubling, capped
+        await trio.sleep(last)  # the clock jumps: both failed peers are due again
         host.dialed.clear()
         await r.tick()
         assert set(host.dialed) == {boot, b}  # never a (connected) nor ourselves
-        waits.append(r._backoff[b])
-    assert waits == [2.0, 4.0, 8.0, 8.0, 8.0, 8.0]  # doubling, capped
+        assert backs_off(r, b, wait)
+        last = wait
     assert r.statistics()["redials"] == 1 and r.statistics()["failures"] == 14
 
     # The partition heals: the next due try reaches them and resets their backoff.
     host.reachable |= {boot, b}
-    due_now(r)
+    await trio.sleep(r.backoff_max_s)
     assert await r.tick() == 2
     assert b not in r._backoff and host.connected == {a, b, boot}
 
 
-async def test_with_enough_connections_only_one_member_is_probed_per_period():
+async def test_with_enough_connections_only_one_member_is_probed_per_period(autojump_clock):
     members = dict(peer_addr(10 + i) for i in range(5))
     host = FakeHost(reachable=set())
     host.connected = {peer_addr(20 + i)[0] for i in range(3)}
     r = Redialer(host, [], lambda: {p: [a] for p, a in members.items()}, want_peers=3, probe_s=10.0)
     await r.tick()
     assert len(host.dialed) == 1  # one random probe, not all five
-    due_now(r)
+    await trio.sleep(r.backoff_max_s)  # the probed peer's backoff is over; probe_s is not
     host.dialed.clear()
     await r.tick()
     assert host.dialed == []  # the next probe waits for probe_s
+    await trio.sleep(r.probe_s - r.backoff_max_s)
+    await r.tick()
+    assert len(host.dialed) == 1
 
 
 async def test_malformed_member_addresses_are_skipped():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,16 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node.status.control import query_control
+from node.checkpoints.store import CheckpointStore
 from node.streams import write_chunks
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols import heartbeat as hb
 from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
 from testnet import launcher
-from tests.conftest import run_cli, wait_until
+from tests.conftest import await_until, nodes, peers, run_cli, status, training, wait_until
+
+pytestmark = pytest.mark.slow  # every test here starts node processes
 
 FAST_RUN = """
 schema = 1
@@ -51,44 +52,35 @@ def fast_manifest(tmp_path: Path) -> Path:
     return path
 
 
-def training(p: launcher.Proc) -> dict:
-    try:
-        return query_control(Path(p.state_dir)).get("training") or {}
-    except Exception:
-        return {}
-
-
-def nodes(net: launcher.Testnet) -> list[launcher.Proc]:
-    return [p for p in net.procs if p.name != "bootstrap"]
-
-
 def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest)
+    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
     for p in nodes(net):
-        wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3
-                   and t["val_loss"] is not None and t["val_loss"] < t["first_val_loss"],
-                   90, f"{p.name} to average 3 rounds with falling validation loss")
-        t = training(p)
+        t = wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3
+                       and t["val_loss"] is not None and t["val_loss"] < t["first_val_loss"]
+                       and t, 240, f"{p.name} to average 3 rounds with falling validation loss")
         assert t["bytes_sent"] > 0 and t["bytes_received"] > 0 and t["last_partner"]
 
 
 def test_sigkill_mid_run_does_not_stall_the_others(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest)
+    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
     node1, node2, node3 = nodes(net)
     for p in (node1, node2):
-        wait_until(lambda p=p: training(p).get("rounds_averaged", 0) >= 2, 90,
+        wait_until(lambda p=p: training(p).get("rounds_averaged", 0) >= 2, 240,
                    f"{p.name} to average")
     launcher.kill_node(net, "node3")
-    before = {p.name: training(p) for p in (node1, node2)}
+    wait_until(lambda: not launcher.alive(node3.pid, node3.state_dir), 30, "node3 to die")
+    # Counted after node3 is gone: nothing of what comes next can be node3's doing.
+    before = {p.name: wait_until(lambda p=p: training(p), 60, f"{p.name}'s status")
+              for p in (node1, node2)}
     for p in (node1, node2):
         # Steps go on and the two survivors keep pairing with each other.
-        wait_until(lambda p=p: training(p)["step"] >= before[p.name]["step"] + 60, 60,
+        wait_until(lambda p=p: training(p).get("step", 0) >= before[p.name]["step"] + 60, 120,
                    f"{p.name} to keep stepping")
-        wait_until(lambda p=p: training(p)["rounds_averaged"]
-                   >= before[p.name]["rounds_averaged"] + 3, 60, f"{p.name} to re-pair")
+        wait_until(lambda p=p: training(p).get("rounds_averaged", 0)
+                   >= before[p.name]["rounds_averaged"] + 3, 180, f"{p.name} to re-pair")
     launcher.restart_node(net, "node3")
     node3 = next(p for p in net.procs if p.name == "node3")
-    wait_until(lambda: training(node3).get("rounds_averaged", 0) >= 1, 90,
+    wait_until(lambda: training(node3).get("rounds_averaged", 0) >= 1, 240,
                "the restarted node3 to be paired again")
 
 
@@ -96,13 +88,14 @@ async def test_hostile_partner_is_refused_and_training_goes_on(testnet_factory, 
     """A member that sends NaN weights, a wrong size, an unknown codec or a truncated frame:
     each is refused with a logged reason, the round falls back to a local step, and the
     node's weights stay finite."""
-    net = testnet_factory(1, manifest=fast_manifest)
+    net = testnet_factory(1, manifest=fast_manifest, timeout=180)
     node = nodes(net)[0]
-    wait_until(lambda: training(node).get("step", 0) > 20, 60, "node1 to train")
-    st = query_control(Path(node.state_dir))
+    st = wait_until(lambda: (s := status(node)) and (s.get("training") or {}).get("step", 0)
+                    > 20 and s, 120, "node1 to train")
     numel, victim = st["training"]["params"], st["peer_id"]
-    # The attacker must be the dialing side of the pair: the smaller peer id dials.
-    kp = next(k for k in (create_new_key_pair() for _ in range(2000))
+    # The attacker must be the dialing side of the pair: the smaller peer id dials. Drawn
+    # until one is (2000 draws missed a victim with a small id about once in 2000 runs).
+    kp = next(k for k in iter(create_new_key_pair, None)
               if ID.from_pubkey(k.public_key).to_base58() < victim)
     me = Substrate(kp, [launcher.LOOPBACK])
     my_id = me.peer_id.to_base58()
@@ -117,26 +110,22 @@ async def test_hostile_partner_is_refused_and_training_goes_on(testnet_factory, 
                 await trio.sleep(0.5)
 
         nursery.start_soon(heartbeats)
-        wait_for = trio.current_time() + 30
-        def listed() -> bool:
-            st = query_control(Path(node.state_dir))
-            return any(p["peer_id"] == my_id for p in st["membership"]["peers"])
-
-        while not listed():
-            assert trio.current_time() < wait_for, "the node never saw the attacker"
-            await trio.sleep(0.2)
+        await await_until(lambda: any(p["peer_id"] == my_id
+                                      for p in peers(node)),
+                          60, "the node to see the attacker")
         for attack in ("nan", "size", "codec", "truncated"):
-            await attack_once(me, peer, net.run_id, training(node)["round"] + 1, numel, attack)
+            t = await await_until(lambda: training(node), 60, "node1's status")
+            await attack_once(me, peer, net.run_id, t["round"] + 1, numel, attack)
         nursery.cancel_scope.cancel()
-    step = training(node)["step"]
-    wait_until(lambda: training(node)["step"] > step + 20, 60, "node1 to keep training")
-    t = training(node)
+    step = wait_until(lambda: training(node).get("step"), 60, "node1's status")
+    t = wait_until(lambda: (t := training(node)).get("step", 0) > step + 20 and t, 120,
+                   "node1 to keep training")
     assert t["loss"] == t["loss"] and t["error"] is None  # finite, no failure
-    log = (Path(node.state_dir) / "node.log").read_text()
-    assert "NaN" in log
-    assert "7 values, our model has" in log  # the wrong size was refused
-    assert "zfp9" in log  # the unknown codec
-    assert "ended in the middle" in log  # the truncated frame
+    # The node may finish judging a stream after the attacker gave up on it: wait for each.
+    refusals = ["NaN", "7 values, our model has", "zfp9", "ended in the middle"]
+    log = Path(node.state_dir) / "node.log"
+    wait_until(lambda: all(r in log.read_text() for r in refusals), 60,
+               f"node1 to log each refusal: {refusals}")
 
 
 async def attack_once(me: Substrate, peer: ID, run_id: str, r: int, numel: int,
@@ -170,52 +159,56 @@ async def attack_once(me: Substrate, peer: ID, run_id: str, r: int, numel: int,
 def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path):
     manifest = tmp_path / "ckpt.toml"
     manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 200\nkeep = 2\n")
-    net = testnet_factory(1, manifest=manifest)
+    net = testnet_factory(1, manifest=manifest, timeout=180)
     node = nodes(net)[0]
-    wait_until(lambda: training(node).get("checkpoints", 0) >= 3, 90, "three checkpoints")
+    wait_until(lambda: training(node).get("checkpoints", 0) >= 3, 240, "three checkpoints")
+    # keep = 2: the first checkpoint was deleted, and so was its run-document entry
+    st = wait_until(lambda: (s := status(node)) and (s.get("run_document") or {})
+                    .get("tombstones", 0) >= 1 and s, 60,
+                    "retention to delete the first checkpoint's entry")
+    assert st["run_document"]["entries"] >= 6  # own peer entries + peer/<id>/ckpt/<cid>
+    # The store is read once the node is stopped: a running node writes a checkpoint every
+    # 200 steps (a fraction of a second) and deletes all but 2, so a cid read from its
+    # status could be gone before `ckpt verify` (a second to start) opens it.
+    launcher.kill_node(net, "node1")
+    wait_until(lambda: not launcher.alive(node.pid, node.state_dir), 30, "node1 to die")
     r = run_cli("ckpt", "ls", "--state-dir", node.state_dir)
     assert r.returncode == 0 and "Qm" in r.stdout, r.stderr
-    cid = training(node)["last_checkpoint"]
-    assert run_cli("ckpt", "verify", cid, "--state-dir", node.state_dir).returncode == 0
-    st = query_control(Path(node.state_dir))
-    assert st["run_document"]["entries"] >= 6  # own peer entries + peer/<id>/ckpt/<cid>
-    # keep = 2: the first checkpoint was deleted, and so was its run-document entry
-    wait_until(lambda: query_control(Path(node.state_dir))["run_document"]["tombstones"] >= 1,
-               30, "retention to delete the first checkpoint's entry")
-    launcher.kill_node(net, "node1")
-    wait_until(lambda: not launcher.alive(node.pid, node.state_dir), 10, "node1 to die")
+    held = CheckpointStore(Path(node.state_dir)).list(net.run_id)
+    assert 1 <= len(held) <= 3, held  # keep = 2 (+1 if the kill came between save and trim)
+    r = run_cli("ckpt", "verify", held[-1][0], "--state-dir", node.state_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
     launcher.restart_node(net, "node1")
     node = nodes(net)[0]
-    wait_until(lambda: training(node).get("step", 0) > 0, 60, "node1 to train again")
+    wait_until(lambda: training(node).get("step", 0) > 0, 120, "node1 to train again")
     log = (Path(node.state_dir) / "node.log").read_text()
     assert "resumed from checkpoint" in log
 
 
 def test_a_node_joining_mid_run_downloads_the_newest_checkpoint(testnet_factory, tmp_path):
     manifest = tmp_path / "ckpt.toml"
-    manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 300\nkeep = 2\n")
-    net = testnet_factory(2, manifest=manifest)
+    # keep = 1000: retention must not delete the checkpoint the latecomer is downloading
+    # (with keep = 2 the two nodes wrote two newer ones within seconds, while the latecomer
+    # was still looking for providers: a race the download then lost).
+    manifest.write_text(FAST_RUN + "[checkpoint]\nevery_steps = 300\nkeep = 1000\n")
+    net = testnet_factory(2, manifest=manifest, timeout=180)
     for p in nodes(net):
-        wait_until(lambda p=p: training(p).get("checkpoints", 0) >= 1, 60, "a checkpoint")
-    state = Path(net.dir) / "latecomer"
-    late = launcher._spawn("latecomer", state, ["join", net.run_id, "--bootstrap",
-                                                net.bootstrap_addr, "--listen",
-                                                launcher.LOOPBACK], True, dict(os.environ))
-    net.procs.append(late)
-    net.save()  # so the fixture's teardown stops it too
-    wait_until(lambda: training(late).get("step", 0) > 0, 90, "the latecomer to train")
+        wait_until(lambda p=p: training(p).get("checkpoints", 0) >= 1, 240, "a checkpoint")
+    late = launcher.add_node(net, "latecomer")  # in net.procs: the fixture stops it too
+    state = Path(late.state_dir)
+    st = wait_until(lambda: (s := status(late)) and (s.get("training") or {}).get("step", 0) > 0
+                    and s, 240, "the latecomer to train")
     log = (state / "node.log").read_text()
     assert "fetched checkpoint" in log and "resumed from checkpoint" in log, log[-3000:]
-    st = query_control(state)
-    assert st["checkpoints"]["download"]["done"] == st["checkpoints"]["download"]["total"] > 0
+    download = st["checkpoints"]["download"]
+    assert download["done"] == download["total"] > 0
 
     probes = iter(range(1000))
 
     def latecomer_provides() -> bool:  # what a second joiner would find in the DHT
         fresh = tmp_path / f"probe{next(probes)}"  # an empty store: a held cid skips the DHT
-        download = st["checkpoints"]["download"]
         r = run_cli("ckpt", "pull", download["cid"], "--bootstrap", net.bootstrap_addr,
                     "--state-dir", str(fresh), "--json")
         return r.returncode == 0 and st["peer_id"] in json.loads(r.stdout)["dht_providers"]
 
-    wait_until(latecomer_provides, 60, "the latecomer to provide the checkpoint it pulled")
+    wait_until(latecomer_provides, 180, "the latecomer to provide the checkpoint it pulled")

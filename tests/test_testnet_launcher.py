@@ -13,6 +13,8 @@ import pytest
 from testnet import launcher
 from tests.conftest import REPO, wait_until
 
+pytestmark = pytest.mark.slow  # starts a testnet
+
 
 def start_foreground(directory: Path) -> subprocess.Popen:
     return subprocess.Popen(
@@ -34,11 +36,11 @@ def test_no_orphans_when_the_launcher_stops(tmp_path: Path, how: signal.Signals)
     directory = tmp_path / "tn"
     proc = start_foreground(directory)
     try:
-        net = wait_until(lambda: running(directory), 60, "the testnet to come up")
+        net = wait_until(lambda: running(directory), 180, "the testnet to come up")
         pids = [(p.pid, p.state_dir) for p in net.procs]
         os.kill(proc.pid, how)
-        proc.wait(timeout=30)
-        wait_until(lambda: not any(launcher.alive(pid, d) for pid, d in pids), 20,
+        proc.wait(timeout=60)
+        wait_until(lambda: not any(launcher.alive(pid, d) for pid, d in pids), 60,
                    "every node to exit with the launcher")
     finally:
         if proc.poll() is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import trio
 
@@ -9,6 +11,7 @@ from node.optim.noloco import NoLoCo, NoLoCoConfig
 from node.trainer.loop import TrainConfig, Trainer
 from node.trainer.tasks import TaskConfig, build_task
 from node.training.service import Outcome, TrainingService
+from tests.conftest import await_until
 
 H = 5
 
@@ -21,21 +24,48 @@ def build(seed: int = 0):
     return make
 
 
+def gated(make, answered: dict[int, threading.Event], token: trio.lowlevel.TrioToken):
+    """`make` with a trainer that, before the last step of an answered round r, waits until
+    round r's outcome is queued. Without it "answers at once" is a race: the trio thread
+    must run the exchange before the trainer thread does H more (millisecond) steps, and on
+    a loaded machine it sometimes did not (the round was then closed locally)."""
+
+    def build_gated():
+        trainer, outer, h = make()
+        step = trainer.step
+
+        def gated_step():
+            r = (trainer.step_count + 2) // h - 1  # the next step is round r + 1's last but one
+            if (trainer.step_count + 2) % h == 0 and r in answered:
+                assert answered[r].wait(60), f"round {r}'s exchange never ran"
+                # The exchange set the event in the same trio task step that queued its
+                # outcome: once the trio loop runs anything else, the outcome is queued.
+                trio.from_thread.run_sync(lambda: None, trio_token=token)
+            return step()
+
+        trainer.step = gated_step
+        return trainer, outer, h
+
+    return build_gated
+
+
 async def test_outcomes_are_applied_and_late_rounds_fall_back_to_local_steps():
     seen: list[int] = []
+    answered = {r: threading.Event() for r in (1, 3, 5)}
 
     async def exchange(r: int, snapshot: torch.Tensor) -> Outcome:
         seen.append(r)
         if r % 2:  # odd rounds: a partner that answers at once
+            answered[r].set()
             return Outcome(r, [snapshot + 1.0], partner="peer-a")
         await trio.sleep_forever()  # even rounds: a partner that never answers
 
-    service = TrainingService(build(), exchange, max_steps=6 * H)
+    service = TrainingService(gated(build(), answered, trio.lowlevel.current_trio_token()),
+                              exchange, max_steps=6 * H)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(service.run)
-            while service.stats.phase != "done":
-                await trio.sleep(0.05)
+            await await_until(lambda: service.stats.phase == "done", 60, "training to end")
             nursery.cancel_scope.cancel()
     st = service.stats
     assert st.step == 6 * H

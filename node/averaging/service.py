@@ -67,6 +67,7 @@ class Averager:
                  members: Callable[[], list[str]], *, codecs: list[str], group_size: int = 2,
                  step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
                  stats: Any = None, lanes: bool = True, neighbours: int | None = None,
+                 fixed_neighbours: list[str] | None = None,
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
@@ -80,6 +81,8 @@ class Averager:
         self.codecs = codecs
         self.group_size = group_size
         self.neighbours = neighbours  # gossip learning: k neighbours instead of groups
+        # A fixed topology (NodeConfig.neighbours: testnets, tests) replaces both.
+        self.fixed_neighbours = fixed_neighbours
         self.step_time = step_time
         self.inner_steps = inner_steps
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
@@ -124,6 +127,8 @@ class Averager:
         from node.optim.pairing import group_of, neighbours_of
 
         peers = sorted({*self.members(), self.me})
+        if self.fixed_neighbours:
+            return [p for p in self.fixed_neighbours if p in peers and p != self.me]
         if self.neighbours is not None:
             return neighbours_of(self.me, r, peers, self.neighbours)
         return [p for p in group_of(self.me, r, peers, self.group_size) if p != self.me]

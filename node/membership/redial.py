@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,9 +78,11 @@ class Redialer:
         self.want_peers, self.dial_timeout_s = want_peers, dial_timeout_s
         self.stats = RedialStats()
         self._limit = trio.CapacityLimiter(max_parallel)
+        # Times are trio's clock (trio.current_time()), so tests can drive the backoff with
+        # trio's MockClock instead of editing these tables.
         self._next_try: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
-        self._last_probe = 0.0
+        self._last_probe = float("-inf")  # never probed: the first pass probes
 
     async def run(self, ctx: object = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -138,15 +139,15 @@ class Redialer:
             self.stats.failures += 1
             wait = min(self.backoff_max_s, self._backoff.get(peer, self.backoff_min_s / 2) * 2)
             self._backoff[peer] = wait
-            self._next_try[peer] = time.monotonic() + wait * random.uniform(0.8, 1.0)
+            self._next_try[peer] = trio.current_time() + wait * random.uniform(0.8, 1.0)
 
         async with trio.open_nursery() as nursery:
-            for peer, addrs in self.due(time.monotonic()).items():
+            for peer, addrs in self.due(trio.current_time()).items():
                 nursery.start_soon(dial, peer, addrs)
         return reached
 
     def statistics(self) -> dict[str, object]:
-        now = time.monotonic()
+        now = trio.current_time()
         return {
             "redials": self.stats.redials,
             "failures": self.stats.failures,
