@@ -51,3 +51,7 @@ def load_or_create_identity(state_dir: Path) -> KeyPair:
                             "peertrain identities are Ed25519")
     return key_pair
 
+
+
+def peer_id_of(key_pair: KeyPair) -> str:
+    return ID.from_pubkey(key_pair.public_key).to_base58()
