@@ -121,6 +121,7 @@ class TrainingStats:
 
 
 TRAINER_NICE = 10
+JOIN_TIMEOUT_S = 30.0  # a stop waits this long for the trainer's current step
 
 
 def _lower_priority() -> None:
@@ -193,8 +194,16 @@ class TrainingService:
                 nursery.cancel_scope.cancel()
         finally:
             self._stop.set()
-            # The thread finishes its current step (a fraction of a second) and exits.
-            await trio.to_thread.run_sync(thread.join, 30.0)
+            # The thread finishes its current step (a fraction of a second) and exits. Wait
+            # for it even when cancelled (SIGINT/SIGTERM): unshielded, to_thread.run_sync
+            # raises Cancelled at once and the interpreter then tears down under a daemon
+            # thread still inside torch, which aborts the process ("terminate called without
+            # an active exception", exit 134).
+            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
+                waited.shield = True
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+            if thread.is_alive():
+                log.error("the trainer thread did not stop within %g s", JOIN_TIMEOUT_S)
 
     async def _run_exchange(self, boundary: Boundary) -> None:
         if self._exchange is None:
