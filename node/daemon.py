@@ -83,6 +83,7 @@ class Node:
         self.averager: Any = None  # node.averaging.Averager once training starts
         self.history: Any = None  # node.history_gossip.HistoryGossip (SybilWall runs)
         self._hb_seq = 0
+        self.stop_signal: int | None = None  # SIGINT/SIGTERM that stopped us (cli: exit code)
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
             key_pair = load_or_create_identity(config.state_dir)
@@ -143,6 +144,7 @@ class Node:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)
                 self.phase = "stopping"
+                self.stop_signal = signum
                 scope.cancel()
                 return
 
@@ -539,6 +541,8 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-async def run_node(config: NodeConfig) -> None:
+async def run_node(config: NodeConfig) -> int | None:
+    """Run until stopped; returns the signal that stopped the node (None: it just ended)."""
     node = Node(config)
     await node.run()
+    return node.stop_signal
