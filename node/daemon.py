@@ -26,6 +26,7 @@ from node import ckpt_sync, manifest_service
 from node.checkpoints import CheckpointStore
 from node.config import NodeConfig
 from node.control import serve_control
+from node.data_check import check_training_data
 from node.dht_records import VALIDATORS
 from node.errors import (
     BootstrapUnreachable,
@@ -33,6 +34,7 @@ from node.errors import (
     NodeError,
     RunNotFound,
     StateDirError,
+    TrainingFailed,
 )
 from node.memory import tune_malloc
 from node.peering import Redialer
@@ -189,6 +191,8 @@ class Node:
     async def _join(self, nursery: trio.Nursery, run_id: str) -> None:
         self.phase = "discovering"
         self.manifest = await self._resolve_manifest(run_id)
+        if self.config.train:  # data that cannot train is refused before we announce
+            await trio.to_thread.run_sync(check_training_data, self.manifest, self.config.data)
         self.store.put(mf.canonical_bytes(self.manifest))
         log.info("joined run %s (%s)", run_id, self.manifest.run.name)
         nursery.start_soon(self._heartbeat_loop, run_id)
@@ -359,8 +363,9 @@ class Node:
         assert self.training is not None
         try:
             await self.training.run()
-        except Exception as e:  # the node stays up (and visible) with the reason in status
-            log.error("training stopped: %s", e)
+        except Exception as e:  # a node asked to train that cannot: stop it, say why
+            log.error("training stopped: %s: %s", type(e).__name__, e)
+            raise TrainingFailed(f"training stopped: {type(e).__name__}: {e}") from e
 
     async def _resolve_manifest(self, run_id: str) -> mf.Manifest:
         local = self.store.get(run_id)
