@@ -87,7 +87,7 @@ def check_training_data(manifest: Any, paths: Sequence[str]) -> None:
     flag = "--data" if paths else "data.paths"
     try:
         corpus = load_text_files(files, format=m.data.format, jsonl_field=m.data.jsonl_field,
-                                 max_bytes=TaskConfig.max_bytes,
+                                 max_bytes=TaskConfig().max_bytes,
                                  val_fraction=m.data.val_fraction)
     except TrainerError as e:
         raise DataRefused(f"{flag}: {e}") from None
