@@ -179,19 +179,25 @@ class TrainingService:
                                   name="peertrain-trainer")
         thread.start()
         task_status.started()
+        failure: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
                 async for item in receive:
                     if item is None:
                         break
                     if isinstance(item, BaseException):
-                        raise item
+                        # raised below, outside the nursery: the caller gets the trainer's
+                        # own exception, not an ExceptionGroup around it
+                        failure = item
+                        break
                     if isinstance(item, Snapshot):
                         if self._on_snapshot is not None:
                             nursery.start_soon(self._on_snapshot, item)
                         continue
                     nursery.start_soon(self._run_exchange, item)
                 nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         finally:
             self._stop.set()
             # The thread finishes its current step (a fraction of a second) and exits. Wait
