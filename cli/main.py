@@ -1,7 +1,8 @@
 """The `node` / `peertrain` command line: a thin face over node/ and testnet/.
 
 Errors a user can cause (a wrong run-id, an unreachable bootstrap, a bad manifest) are
-printed as one clear message with a non-zero exit code; Ctrl-C exits quietly with 130.
+printed as one plain-text line with a documented exit code (docs/operator.md); Ctrl-C
+exits quietly with 130, SIGTERM with 0.
 """
 
 from __future__ import annotations
