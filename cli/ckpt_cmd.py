@@ -10,10 +10,12 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from cli.common import err, fail, out, run_async
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.config import default_state_dir
+from node.errors import NodeError
 
 app = typer.Typer(no_args_is_help=True, help="List, verify and pull checkpoints.")
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="The node's state dir.")]
@@ -38,15 +40,24 @@ def ls(state_dir: StateDir = None,
 def verify(cid: Annotated[str, typer.Argument(help="Checkpoint id (from `node ckpt ls`).")],
            state_dir: StateDir = None) -> None:
     """Check every chunk of a checkpoint against its hash."""
+    from node.checkpoints.fetch import validate_cid
+
+    try:
+        validate_cid(cid)
+    except NodeError as e:
+        raise fail(str(e), 2) from None
     store = CheckpointStore(state_dir or default_state_dir())
     try:
         problems = store.verify(cid)
     except CheckpointError as e:
         raise fail(str(e), 8) from None
+    except OSError as e:
+        raise fail(f"cannot read checkpoint {cid}: {e.strerror or e}", 8) from None
     if problems:
         raise fail(f"checkpoint {cid} is damaged:\n  " + "\n  ".join(problems), 8)
     m = store.manifest(cid)
-    out.print(f"checkpoint {cid}: step {m.step}, {len(m.chunks)} chunks, all verified")
+    out.print(f"checkpoint {cid}: step {m.step}, {len(m.chunks)} chunks, all verified",
+              markup=False, highlight=False)
 
 
 @app.command()
@@ -69,11 +80,17 @@ def pull(
     """Download a checkpoint from its providers in parallel, verify it, store it here."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from node.checkpoints.fetch import FetchReport, fetch
+    from cli.checks import positive_seconds
+    from node.checkpoints.fetch import FetchReport, fetch, validate_cid
     from protocols import checkpoint as ck
     from protocols import manifest as mf
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # we report failures ourselves
+    positive_seconds("--timeout", timeout)
+    try:
+        validate_cid(cid)
+    except NodeError as e:
+        raise fail(str(e), 2) from None
     if run is not None:
         try:
             run = mf.validate_run_id(run)
@@ -115,12 +132,14 @@ def pull(
             "store": str(store.root)}))
         return
     for addr, why in r.unreachable.items():
-        err.print(f"[yellow]warning:[/] could not reach {addr}: {why}", highlight=False)
+        err.print(Text.assemble(("warning:", "yellow"), f" could not reach {addr}: {why}"),
+                  highlight=False, soft_wrap=True)
     head = f"checkpoint {r.cid}: run {m.run}, step {m.step}, {m.size / 1e6:.1f} MB"
     if r.already_held or res is None:
-        out.print(f"{head}, already here and verified ({store.root})", highlight=False)
+        out.print(f"{head}, already here and verified ({store.root})", highlight=False,
+                  markup=False)
         return
-    out.print(f"{head}, {len(m.chunks)} chunks, all verified", highlight=False)
+    out.print(f"{head}, {len(m.chunks)} chunks, all verified", highlight=False, markup=False)
     local = f" ({res.chunks_local} chunks were already here)" if res.chunks_local else ""
     out.print(f"downloaded {res.fetched_bytes / 1e6:.1f} MB in {res.seconds:.2f} s: "
               f"{r.mb_s:.1f} MB/s from {len(providers)} provider"
@@ -133,4 +152,4 @@ def pull(
         table.add_row(peer, f"{p['bytes'] / 1e6:.1f}", str(p["chunks"]),
                       f"dropped: {res.failures[peer]}" if peer in res.failures else "")
     out.print(table)
-    out.print(f"stored in {store.root}", highlight=False)
+    out.print(f"stored in {store.root}", highlight=False, markup=False)

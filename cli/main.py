@@ -1,7 +1,8 @@
 """The `node` / `peertrain` command line: a thin face over node/ and testnet/.
 
 Errors a user can cause (a wrong run-id, an unreachable bootstrap, a bad manifest) are
-printed as one clear message with a non-zero exit code; Ctrl-C exits quietly with 130.
+printed as one plain-text line with a documented exit code (docs/operator.md); Ctrl-C
+exits quietly with 130, SIGTERM with 0.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, out, run_async
+from cli import checks
+from cli.common import App, fail, out, run_async
+from node import state_lock
 from node.config import NodeConfig, default_state_dir
+from node.errors import NodeError
 from node.status.control import ControlUnavailable, query_control
 from node.status.logs import setup_logging
+from node.training.data_check import check_text_files
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="peertrain: contribute a CPU or GPU to a shared training run.")
+app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+          help="peertrain: contribute a CPU or GPU to a shared training run.")
 run_app = typer.Typer(no_args_is_help=True, help="Create and inspect run manifests.")
 app.add_typer(run_app, name="run")
 
@@ -30,6 +35,20 @@ Bootstrap = Annotated[list[str] | None, typer.Option(
 Listen = Annotated[list[str] | None, typer.Option(
     "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+
+
+def lock_state_dir(state_dir: Path | None) -> Path:
+    """Take the state directory's lock (held until exit) before anything there is written:
+    a second node on a live directory is refused and touches nothing (exit 6)."""
+    state_dir = state_dir or default_state_dir()
+    try:
+        _held_locks.append(state_lock.acquire(state_dir))
+    except NodeError as e:
+        raise fail(str(e), e.exit_code) from None
+    return state_dir
+
+
+_held_locks: list[state_lock.StateLock] = []
 
 
 @app.command()
@@ -60,20 +79,26 @@ def join(
         run_id = mf.validate_run_id(run_id)
     except mf.ManifestError as e:
         raise fail(str(e), 2) from None
-    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
-        raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", 2)
+    device = checks.device(device)
     if attack not in (None, "label-flip", "backdoor"):
-        raise fail(f"--attack {attack!r}: expected label-flip or backdoor", 2)
-    state_dir = state_dir or default_state_dir()
+        raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
+    checks.positive_seconds("--join-timeout", join_timeout)
+    listen = checks.listen_addrs(listen)
+    log_level = checks.log_level(log_level)
+    files = [str(p) for p in data or []]
+    if files:
+        if no_train:
+            raise fail("--data trains on your files; it cannot go with --no-train", 2)
+        try:
+            check_text_files(files)
+        except NodeError as e:
+            raise fail(str(e), e.exit_code) from None
+    state_dir = lock_state_dir(state_dir)
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
-                        listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]), device=device,
-                        join_timeout_s=join_timeout, train=not no_train,
-                        data=[str(p) for p in data or []], attack=attack,
+                        listen=listen, device=device, join_timeout_s=join_timeout,
+                        train=not no_train, data=files, attack=attack,
                         neighbours=list(neighbour or []))
-    missing = [p for p in config.data if not Path(p).exists()]
-    if missing:
-        raise fail(f"--data {missing[0]}: no such file or directory", 2)
     run_async(lambda: run_node(config))
 
 
@@ -87,10 +112,12 @@ def bootstrap_cmd(
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
     from node.daemon import run_node
 
-    state_dir = state_dir or default_state_dir()
+    listen = checks.listen_addrs(listen)
+    log_level = checks.log_level(log_level)
+    state_dir = lock_state_dir(state_dir)
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=list(bootstrap or []),
-                        listen=list(listen or ["/ip4/0.0.0.0/tcp/0"]))
+                        listen=listen)
     run_async(lambda: run_node(config))
 
 
@@ -103,13 +130,12 @@ def run_create(
     from node.run.store import RunStore
     from protocols import manifest as mf
 
+    m = checks.manifest_file(manifest)
+    state_dir = state_dir or default_state_dir()
     try:
-        m = mf.load_manifest_file(manifest)
-    except mf.ManifestError as e:
-        raise fail(str(e), 2) from None
+        run_id = RunStore(state_dir).put(mf.canonical_bytes(m))
     except OSError as e:
-        raise fail(f"cannot read {manifest}: {e.strerror}", 2) from None
-    run_id = RunStore(state_dir or default_state_dir()).put(mf.canonical_bytes(m))
+        raise fail(f"cannot use state directory {state_dir}: {e.strerror or e}", 6) from None
     print(run_id)
 
 
@@ -120,10 +146,7 @@ def run_show(
     """Print a manifest's canonical form and run-id without storing anything."""
     from protocols import manifest as mf
 
-    try:
-        m = mf.load_manifest_file(manifest)
-    except mf.ManifestError as e:
-        raise fail(str(e), 2) from None
+    m = checks.manifest_file(manifest)
     data = mf.canonical_bytes(m)
     out.print_json(data.decode())
     print(mf.run_id(data))

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.live import Live
 
+from cli import checks
 from cli.common import err, fail, out
 from cli.render import testnet_table
 from testnet import launcher, netns
@@ -18,6 +19,7 @@ from testnet import launcher, netns
 app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
                                               "(or in network namespaces, as root).")
 
+AGGREGATORS = ("mean", "vc", "median", "krum", "foolsgold", "sybilwall")
 Dir = Annotated[Path | None, typer.Option("--dir", help="Where the testnet keeps its state.")]
 
 
@@ -51,7 +53,14 @@ def up(
     directory = directory or launcher.default_dir()
     extra = ["--no-train"] if no_train else []
     if scenario not in (None, "sybil", "partition"):
-        raise fail(f"--scenario {scenario!r}: known scenarios: sybil, partition", 2)
+        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition", 2)
+    for flag, value in (("--nodes", nodes), ("--honest", honest), ("--sybils", sybils)):
+        if value is not None and value < 1:
+            raise fail(f"{flag} {value}: expected at least 1", 2)
+    if aggregator is not None and aggregator not in AGGREGATORS:
+        raise fail(f"--aggregator {aggregator}: expected one of {', '.join(AGGREGATORS)}", 2)
+    if manifest is not None:
+        checks.manifest_file(manifest)  # missing or invalid: one line, exit 2
     if scenario == "partition":
         manifest = manifest or launcher.scenario_manifest_path("partition")
         reason = netns.available()
@@ -62,7 +71,7 @@ def up(
         nodes = honest if honest is not None else nodes
         manifest = manifest or launcher.scenario_manifest_path("sybil")
         if attack not in ("label-flip", "backdoor"):
-            raise fail(f"--attack {attack!r}: expected label-flip or backdoor", 2)
+            raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
     try:
         with err.status("starting the testnet") as spinner:
             net = launcher.up(directory, nodes, manifest=manifest, detached=detach,
@@ -74,7 +83,8 @@ def up(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    err.print(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}")
+    err.print(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}",
+              markup=False, highlight=False)
     if detach:
         err.print("stop it with `node testnet down`")
         return
@@ -97,7 +107,8 @@ def down(directory: Dir = None) -> None:
     """Stop every process of the testnet."""
     directory = directory or launcher.default_dir()
     stopped = launcher.down(directory)
-    err.print(f"stopped {stopped} processes" if stopped else f"no testnet running in {directory}")
+    err.print(f"stopped {stopped} processes" if stopped else f"no testnet running in {directory}",
+              markup=False, highlight=False)
 
 
 @app.command()
@@ -123,6 +134,8 @@ def logs(
     directory: Dir = None,
 ) -> None:
     """Print the last log lines of one node, or of all of them."""
+    if lines < 1:
+        raise fail(f"--lines {lines}: expected at least 1", 2)
     net = _load(directory or launcher.default_dir())
     procs = [p for p in net.procs if node is None or p.name == node]
     if not procs:
@@ -133,7 +146,8 @@ def logs(
         try:
             raw = path.read_text(errors="replace").splitlines()[-lines:]
         except OSError:
-            out.print(launcher.tail(Path(p.state_dir) / "stdout.log", lines), highlight=False)
+            out.print(launcher.tail(Path(p.state_dir) / "stdout.log", lines), highlight=False,
+                      markup=False)
             continue
         for line in raw:
             try:
@@ -157,7 +171,7 @@ def partition(
         a, b = launcher.partition(net, side)
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
-    err.print(f"partitioned: {' '.join(a)}  |  {' '.join(b)}")
+    err.print(f"partitioned: {' '.join(a)}  |  {' '.join(b)}", markup=False)
     err.print("undo it with `node testnet heal`")
 
 

@@ -39,6 +39,7 @@ from node.run.rundoc_sync import RunDocSync, load_document, stamps
 from node.run.store import RunStore
 from node.service import NodeContext, RunContext, Service
 from node.status.control import ControlService
+from node.training.data_check import check_training_data
 from p2p.host import DialError, Substrate
 from p2p.identity import IdentityError, load_or_create_identity
 from p2p.pubsub import PacedPublisher
@@ -60,6 +61,7 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.started_unix = time.time()
+        self.stop_signal: int | None = None  # SIGINT/SIGTERM that stopped us (cli: exit code)
         try:
             config.state_dir.mkdir(parents=True, exist_ok=True)
             key_pair = load_or_create_identity(config.state_dir)
@@ -124,6 +126,8 @@ class Node:
         ctx, config = self.ctx, self.config
         ctx.phases.enter("discovering")
         manifest = await self.manifests.resolve(ctx, run_id)
+        if config.train:  # data that cannot train is refused before we announce
+            await trio.to_thread.run_sync(check_training_data, manifest, config.data)
         ctx.runs.put(mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
         await self.manifests.provide(ctx, run_id)
@@ -187,6 +191,7 @@ class Node:
             async for signum in signals:
                 log.info("received %s; shutting down", signal.Signals(signum).name)
                 self.ctx.phases.enter("stopping")
+                self.stop_signal = signum
                 scope.cancel()
                 return
 
@@ -268,6 +273,8 @@ def resolve_device_name(spec: str) -> str:
         raise NodeError(f"--device {spec}: {e}") from e
 
 
-async def run_node(config: NodeConfig) -> None:
+async def run_node(config: NodeConfig) -> int | None:
+    """Run until stopped; returns the signal that stopped the node (None: it just ended)."""
     node = Node(config)
     await node.run()
+    return node.stop_signal

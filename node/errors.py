@@ -21,3 +21,9 @@ class ManifestRejected(NodeError):
 
 class StateDirError(NodeError):
     exit_code = 6
+
+
+class TrainingFailed(NodeError):
+    """The trainer stopped with an error: the node stops too, with the reason."""
+
+    exit_code = 9

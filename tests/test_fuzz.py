@@ -27,7 +27,7 @@ HAVE_ATHERIS = importlib.util.find_spec("atheris") is not None
 #: Inputs that crashed a decoder once (target, input); each was fixed in protocols/.
 REGRESSIONS: list[tuple[str, bytes]] = [
     # records.decode: a body whose addrs (or runs) is not a list raised TypeError, which
-    # the DHT validator (node/dht_records.py) does not catch. Found by the fuzzer in 4 s.
+    # the DHT validator (node/membership/records.py) does not catch. Found by the fuzzer in 4 s.
     ("records", msgpack.packb({"seq": 1, "body": {"addrs": 5, "runs": []}, "sig": bytes(64)})),
     ("records", msgpack.packb({"seq": 1, "body": {"addrs": [], "runs": None}, "sig": b""})),
 ]

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.errors import TrainingFailed
 from node.training.state import from_tensors, to_tensors
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ class TrainingStats:
 
 
 TRAINER_NICE = 10
+JOIN_TIMEOUT_S = 30.0  # a stop waits this long for the trainer's current step
 
 
 def _lower_priority() -> None:
@@ -139,7 +141,8 @@ class TrainingService:
 
     As a node service (`run(ctx)`), it also follows the live swarm's step (from the
     membership view), publishes the outer optimizer as `ctx.run.outer` once built, and
-    notes the join's "first step" phase. Without a context (tests) it only trains."""
+    notes the join's "first step" phase; a trainer that fails stops the node
+    (TrainingFailed, exit 9). Without a context (tests) it only trains."""
 
     name = "training"
     protocols = ()
@@ -184,8 +187,9 @@ class TrainingService:
             nursery.start_soon(self._note_first_step, ctx)
             try:
                 await self._train_in_thread(task_status)
-            except Exception as e:  # the node stays up (and visible) with the reason
-                log.error("training stopped: %s", e)
+            except Exception as e:  # a node asked to train that cannot stops, saying why
+                log.error("training stopped: %s: %s", type(e).__name__, e)
+                raise TrainingFailed(f"training stopped: {type(e).__name__}: {e}") from e
             nursery.cancel_scope.cancel()
         await trio.sleep_forever()
 
@@ -214,23 +218,37 @@ class TrainingService:
                                   name="peertrain-trainer")
         thread.start()
         task_status.started()
+        failure: BaseException | None = None
         try:
             async with trio.open_nursery() as nursery:
                 async for item in receive:
                     if item is None:
                         break
                     if isinstance(item, BaseException):
-                        raise item
+                        # raised below, outside the nursery: the caller gets the trainer's
+                        # own exception, not an ExceptionGroup around it
+                        failure = item
+                        break
                     if isinstance(item, Snapshot):
                         if self._on_snapshot is not None:
                             nursery.start_soon(self._on_snapshot, item)
                         continue
                     nursery.start_soon(self._run_exchange, item)
                 nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         finally:
             self._stop.set()
-            # The thread finishes its current step (a fraction of a second) and exits.
-            await trio.to_thread.run_sync(thread.join, 30.0)
+            # The thread finishes its current step (a fraction of a second) and exits. Wait
+            # for it even when cancelled (SIGINT/SIGTERM): unshielded, to_thread.run_sync
+            # raises Cancelled at once and the interpreter then tears down under a daemon
+            # thread still inside torch, which aborts the process ("terminate called without
+            # an active exception", exit 134).
+            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
+                waited.shield = True
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+            if thread.is_alive():
+                log.error("the trainer thread did not stop within %g s", JOIN_TIMEOUT_S)
 
     async def _run_exchange(self, boundary: Boundary) -> None:
         if self._exchange is None:

@@ -1,0 +1,78 @@
+"""Up-front checks of flag values: each bad value is one `error:` line and exit 2, before
+anything starts or anything is written."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from cli.common import fail
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def positive_seconds(flag: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise fail(f"{flag} {value:g}: expected a number of seconds greater than 0", 2)
+    return value
+
+
+def listen_addrs(values: list[str] | None) -> list[str]:
+    """Each --listen must be /ip4/ADDR/tcp/PORT or /ip6/ADDR/tcp/PORT (PORT 0: any)."""
+    import multiaddr
+
+    addrs = list(values or ["/ip4/0.0.0.0/tcp/0"])
+    for a in addrs:
+        try:
+            protocols = [p.name for p in multiaddr.Multiaddr(a).protocols()]
+        except Exception as e:  # py-multiaddr raises a zoo of types for bad strings
+            why = str(e).split("': ", 1)[-1].split(" (string:", 1)[0]
+            raise fail(f"--listen {a}: not a multiaddr ({why}); expected e.g. "
+                       "/ip4/0.0.0.0/tcp/4001", 2) from None
+        if protocols != ["ip4", "tcp"] and protocols != ["ip6", "tcp"]:
+            raise fail(f"--listen {a}: expected /ip4/ADDR/tcp/PORT or /ip6/ADDR/tcp/PORT, "
+                       "e.g. /ip4/0.0.0.0/tcp/4001", 2)
+        _try_bind(a, multiaddr.Multiaddr(a))
+    return addrs
+
+
+def _try_bind(text: str, ma) -> None:
+    """py-libp2p only logs a listener that fails, and the node would run listening on
+    nothing: try the address first (not this machine's, or the port is taken)."""
+    import socket
+
+    family = socket.AF_INET if ma.protocols()[0].name == "ip4" else socket.AF_INET6
+    host = ma.value_for_protocol(ma.protocols()[0].code)
+    port = int(ma.value_for_protocol(ma.protocols()[1].code))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the node's listener
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise fail(f"--listen {text}: cannot listen there: {e.strerror or e}", 2) from None
+
+
+def log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise fail(f"--log-level {value}: expected one of {', '.join(LOG_LEVELS)}", 2)
+    return value.lower()
+
+
+def device(value: str) -> str:
+    if value in ("auto", "cpu", "cuda"):
+        return value
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return value
+    raise fail(f"--device {value}: expected auto, cpu, cuda or cuda:N", 2)
+
+
+def manifest_file(path: Path):  # -> protocols.manifest.Manifest
+    """Load and validate a manifest file; a missing or invalid file is exit 2."""
+    from protocols import manifest as mf
+
+    try:
+        return mf.load_manifest_file(path)
+    except mf.ManifestError as e:
+        raise fail(str(e), 2) from None
+    except OSError as e:
+        raise fail(f"cannot read {path}: {e.strerror or e}", 2) from None
