@@ -59,11 +59,12 @@ def log_level(value: str) -> str:
 
 
 def device(value: str) -> str:
-    if value in ("auto", "cpu", "cuda"):
-        return value
-    if value.startswith("cuda:") and value[5:].isdigit():
-        return value
-    raise fail(f"--device {value}: expected auto, cpu, cuda or cuda:N", 2)
+    from node import device as dev
+
+    try:
+        return dev.parse(value)
+    except dev.DeviceError as e:
+        raise fail(f"--device {value}: {e}", 2) from None
 
 
 def manifest_file(path: Path):  # -> protocols.manifest.Manifest

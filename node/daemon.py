@@ -260,16 +260,15 @@ class Node:
 
 
 def resolve_device_name(spec: str) -> str:
-    """`auto` picks CUDA when torch sees a GPU (node/trainer's one device check; torch is
-    imported here, lazily: it costs a second or more)."""
+    """`auto` picks CUDA when torch sees a GPU (node/device.py; torch is imported here,
+    lazily: it costs a second or more)."""
     if spec == "cpu":
         return "cpu"
-    from node.trainer.errors import DeviceError
-    from node.trainer.loop import resolve_device
+    from node import device
 
     try:
-        return str(resolve_device(spec))
-    except DeviceError as e:
+        return str(device.resolve(spec))
+    except device.DeviceError as e:
         raise NodeError(f"--device {spec}: {e}") from e
 
 

@@ -6,6 +6,10 @@ sentences for the user and exit codes (STYLE.md point 5).
 
 from __future__ import annotations
 
+from node.device import DeviceError  # torch-free: the CLI checks a device before torch loads
+
+__all__ = ["ConfigError", "DataError", "DeviceError", "FactoryError", "TrainerError"]
+
 
 class TrainerError(Exception):
     """Base class of every error raised by node/trainer/."""
@@ -32,14 +36,6 @@ class FactoryError(TrainerError, ValueError):
     def __init__(self, message: str, *, spec: str):
         super().__init__(f"model factory {spec!r}: {message}")
         self.spec = spec
-
-
-class DeviceError(TrainerError, ValueError):
-    """The requested device does not exist on this machine (e.g. cuda without a GPU)."""
-
-    def __init__(self, message: str, *, requested: str):
-        super().__init__(message)
-        self.requested = requested
 
 
 class ConfigError(TrainerError, ValueError):

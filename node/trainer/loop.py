@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import ConfigError, DeviceError, TrainerError
+from node.device import resolve as resolve_device
+
+from .errors import ConfigError, TrainerError
 from .tasks import Task
 
 CHECKPOINT_FORMAT = "peertrain.trainer"
@@ -107,38 +109,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     span = max(1, config.max_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - floor)
-
-
-def resolve_device(spec: str) -> torch.device:
-    """ "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:<i>"; raises `DeviceError`."""
-    wanted = spec.strip().lower()
-    if wanted == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if wanted == "cpu":
-        return torch.device("cpu")
-    if wanted == "cuda" or wanted.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise DeviceError(
-                f"device {spec!r} requested but CUDA is not available "
-                f"(torch {torch.__version__} is {build}); use --device cpu or auto",
-                requested=spec,
-            )
-        if wanted == "cuda":
-            return torch.device("cuda")
-        index_text = wanted.removeprefix("cuda:")
-        if not index_text.isdigit():
-            raise DeviceError(f"bad device {spec!r}; expected cuda:<index>", requested=spec)
-        count = torch.cuda.device_count()
-        if int(index_text) >= count:
-            raise DeviceError(
-                f"device {spec!r} requested but only {count} CUDA device(s) exist",
-                requested=spec,
-            )
-        return torch.device("cuda", int(index_text))
-    raise DeviceError(
-        f"unknown device {spec!r}; expected auto, cpu, cuda or cuda:<index>", requested=spec
-    )
 
 
 def derive_seed(seed: int, *labels: object) -> int:
