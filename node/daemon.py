@@ -131,7 +131,7 @@ class Node:
         ctx.runs.put(mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
         await self.manifests.provide(ctx, run_id)
-        from node.training.service import TrainingStats
+        from node.training.rounds import TrainingStats
 
         document = load_document(config.state_dir, run_id, ctx.signer,
                                  list(manifest.network.admins))

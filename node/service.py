@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from node.config import NodeConfig
     from node.membership.view import Membership
     from node.run.store import RunStore
-    from node.training.service import TrainingStats
+    from node.training.rounds import TrainingStats
     from p2p.host import Substrate
     from p2p.pubsub import PacedPublisher
     from protocols.keys import Signer

@@ -10,7 +10,8 @@ import trio
 from node.optim.noloco import NoLoCo, NoLoCoConfig
 from node.trainer.loop import TrainConfig, Trainer
 from node.trainer.tasks import TaskConfig, build_task
-from node.training.service import Outcome, TrainingService
+from node.training.rounds import Outcome
+from node.training.service import TrainingService
 from tests.conftest import await_until
 
 H = 5
@@ -95,7 +96,7 @@ def test_checkpoint_tensors_restore_the_trainer_and_outer_state_exactly():
     name -> tensor map (node/training/state.py), resume bit for bit."""
     from safetensors.torch import load, save
 
-    from node.training.service import checkpoint_tensors, restore_checkpoint
+    from node.training.state import checkpoint_tensors, restore_checkpoint
 
     trainer, outer, _ = build(seed=3)()
     for _ in range(3):
@@ -115,7 +116,7 @@ def test_checkpoint_tensors_restore_the_trainer_and_outer_state_exactly():
 def test_a_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
     """The byte GPT ties lm_head to wte; safetensors refuses two names for one memory."""
     from node.checkpoints.store import CheckpointStore
-    from node.training.service import checkpoint_tensors, restore_checkpoint
+    from node.training.state import checkpoint_tensors, restore_checkpoint
 
     def gpt(seed: int) -> Trainer:
         task = build_task(TaskConfig(name="bytes-gpt", d_model=32, n_layers=1, n_heads=2,

@@ -29,7 +29,7 @@ from libp2p.peer.id import ID
 
 from node.averaging.lane import LaneListener, connect_lane
 from node.streams import pump, write_chunks
-from node.training.service import Outcome
+from node.training.rounds import Outcome
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols.errors import RemoteProtocolError

@@ -116,7 +116,7 @@ def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
     reason (training starts from the initial weights instead)."""
     import logging
 
-    from node.training.service import restore_checkpoint
+    from node.training.state import restore_checkpoint
 
     log = logging.getLogger("node.training")
     try:

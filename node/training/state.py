@@ -60,3 +60,19 @@ def from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         return node["v"]
 
     return build(skeleton)
+
+
+def checkpoint_tensors(trainer: Any, outer: Any) -> dict[str, Any]:
+    """The trainer's and the outer optimizer's `state_dict()`, as safetensors wants them."""
+    state = {"trainer": trainer.state_dict()}
+    if hasattr(outer, "state_dict"):  # NoLoCo's momentum; gossip learning keeps none
+        state["outer"] = outer.state_dict()
+    return to_tensors(state)
+
+
+def restore_checkpoint(trainer: Any, outer: Any, tensors: dict[str, Any]) -> None:
+    """Inverse of `checkpoint_tensors`, through the same `load_state_dict`s."""
+    state = from_tensors(tensors)
+    trainer.load_state_dict(state["trainer"])
+    if hasattr(outer, "load_state_dict") and "outer" in state:
+        outer.load_state_dict(state["outer"])

@@ -20,7 +20,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.averaging.service import Averager
 from node.memory import tune_malloc
-from node.training.service import TrainingStats
+from node.training.rounds import TrainingStats
 from p2p.host import Substrate
 
 
