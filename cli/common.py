@@ -18,8 +18,8 @@ from node.errors import NodeError
 TRACEBACK_ENV = "PEERTRAIN_TRACEBACK"
 EXIT_BUG = 70  # EX_SOFTWARE
 
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, soft_wrap=True)  # a multiaddr is never broken across lines
+out = Console(soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
