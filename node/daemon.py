@@ -251,7 +251,7 @@ class Node:
             "p2p": {
                 "connections": len(substrate.connected_peers()),
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
-                "handler_errors": substrate.stats.handler_errors,
+                "handler_errors": substrate.handler_errors,
                 "host_restarts": substrate.stats.restarts,
                 "gossip": vars(ctx.publisher.stats),
             },
