@@ -29,8 +29,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from google.protobuf.message import DecodeError
 from libp2p.abc import INetConn, INetStream, INotifee
-from libp2p.io.exceptions import IOException
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IOException, MessageTooLarge
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
@@ -47,6 +49,10 @@ _BROKEN = (IOException, MuxedStreamError, MuxedConnError, ConnectionError,
            trio.BrokenResourceError, trio.ClosedResourceError, EOFError)
 
 
+# What py-libp2p's own handlers raise on bytes that break their protocol (gossipsub's
+# handler lets these escape: unguarded, they took the whole host down).
+_INVALID = (DecodeError, MessageTooLarge, ParseError)
+
 # Refusals a peer brought on itself (the others say the node as a whole is full).
 _PEERS_OWN = frozenset({"streams_per_peer", "bytes_per_peer"})
 
@@ -54,6 +60,8 @@ _PEERS_OWN = frozenset({"streams_per_peer", "bytes_per_peer"})
 def default_classify(e: BaseException) -> str:
     if isinstance(e, trio.TooSlowError):
         return "deadline"
+    if isinstance(e, _INVALID):
+        return "invalid"
     if isinstance(e, _BROKEN):
         return "broken"
     return "error"

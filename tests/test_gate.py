@@ -116,3 +116,25 @@ async def test_a_garbage_sender_is_banned_disconnected_and_refused():
             with pytest.raises(DialError, match="banned"):  # and never dials it itself
                 await node.connect(other.addrs()[0])
             nursery.cancel_scope.cancel()
+
+
+async def test_garbage_on_gossipsub_ends_that_stream_not_the_host():
+    """py-libp2p's gossipsub handler lets a protobuf DecodeError (or MessageTooLarge)
+    escape; unguarded, 11 bytes took the whole host down and every connection with it
+    (the supervisor restarted it; the node then redialed its peers)."""
+    from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
+
+    node = Substrate(create_new_key_pair(), [LOOPBACK])
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            stream = await other.open_stream(peer, str(PROTOCOL_ID_V12))
+            await stream.write(bytes([10]) + b"\xff" * 10)
+            await await_until(lambda: node.gate.misbehaviour["invalid"] >= 1, 30,
+                              "the node to score the garbage")
+            assert node.stats.restarts == 0
+            assert other.peer_id in node.connected_peers()
+            nursery.cancel_scope.cancel()
