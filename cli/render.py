@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Group
@@ -43,7 +44,24 @@ def node_status_table(st: dict[str, Any]) -> Group:
     for p in live:
         peers.add_row(p["peer_id"], f"{p['last_seen_s']:.1f} s ago", str(p.get("device", "")),
                       (p.get("addrs") or ["-"])[0])
-    return Group(head, Text(""), peers)
+    parts = [head, Text(""), peers]
+    bans = (st.get("guard") or {}).get("bans") or {}
+    if bans:
+        parts += [Text(""), _bans(bans)]
+    return Group(*parts)
+
+
+def _bans(bans: dict[str, dict[str, Any]]) -> Table:
+    """Banned peers (the guard service): who, why, until when."""
+    table = Table(title=f"{len(bans)} banned peers", title_justify="left")
+    for col in ("peer", "why", "until", "ban #"):
+        table.add_column(col)
+    for peer, ban in sorted(bans.items()):
+        until = ban.get("until_unix")
+        when = time.strftime("%H:%M:%S", time.localtime(until)) if until else "-"
+        table.add_row(peer, str(ban.get("reason", "?")),
+                      f"{when} ({ban.get('seconds_left', 0):.0f} s)", str(ban.get("count", 1)))
+    return table
 
 
 def _peers(st: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import platformdirs
 
+from p2p.budget import BudgetLimits
+from p2p.scores import ScoreSettings
+
 
 def default_state_dir() -> Path:
     return Path(platformdirs.user_data_dir("peertrain", appauthor=False))
@@ -38,6 +41,10 @@ class NodeConfig:
     # Makes a scenario's topology deterministic (which honest node meets which sybils).
     # Every listed peer must list us too: the responder refuses anyone not in its list.
     neighbours: list[str] = field(default_factory=list)
+    # What this node gives each peer and all of them (streams, buffered bytes, connections
+    # per IP), and how misbehaviour is scored and banned: docs/robustness.md lists both.
+    budget: BudgetLimits = field(default_factory=BudgetLimits)
+    scoring: ScoreSettings = field(default_factory=ScoreSettings)
 
     @property
     def role(self) -> str:

@@ -29,6 +29,7 @@ from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
 from node.errors import BootstrapUnreachable, NodeError, StateDirError
 from node.files import atomic_write
+from node.guard.service import GuardService, classify
 from node.membership.heartbeats import HeartbeatService
 from node.membership.records import VALIDATORS, PeerRecordService
 from node.membership.redial import Redialer
@@ -40,6 +41,7 @@ from node.run.store import RunStore
 from node.service import NodeContext, RunContext, Service
 from node.status.control import ControlService
 from node.training.data_check import check_training_data
+from p2p.gate import Gate
 from p2p.host import DialError, Substrate
 from p2p.identity import IdentityError, load_or_create_identity
 from p2p.pubsub import PacedPublisher
@@ -68,7 +70,9 @@ class Node:
         except (OSError, IdentityError) as e:
             raise StateDirError(f"cannot use state directory {config.state_dir}: {e}") from e
         signer = keys.Signer(key_pair.private_key.to_bytes()[:32])
-        substrate = Substrate(key_pair, config.listen, dht_protocol_validators=VALIDATORS)
+        gate = Gate(config.budget, config.scoring, classify=classify)
+        substrate = Substrate(key_pair, config.listen, dht_protocol_validators=VALIDATORS,
+                              gate=gate)
         self.ctx = NodeContext(
             config=config, substrate=substrate, signer=signer,
             publisher=PacedPublisher(substrate), runs=RunStore(config.state_dir),
@@ -78,6 +82,7 @@ class Node:
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
+            GuardService(gate),
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
             Redialer(substrate, config.bootstrap, self.ctx.membership.addresses),
@@ -251,7 +256,7 @@ class Node:
             "p2p": {
                 "connections": len(substrate.connected_peers()),
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
-                "handler_errors": substrate.stats.handler_errors,
+                "handler_errors": substrate.handler_errors,
                 "host_restarts": substrate.stats.restarts,
                 "gossip": vars(ctx.publisher.stats),
             },

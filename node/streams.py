@@ -15,6 +15,11 @@ from protocols.wire import NEED_DATA, Envelope, FrameDecoder, TensorFrame
 READ_SIZE = 1 << 20
 
 
+class StreamEnded(RemoteProtocolError):
+    """The stream ended where a message was expected: churn (a peer that left) as often as
+    misbehaviour, so the guard scores it as a broken stream, not an invalid message."""
+
+
 class InPlace(Protocol):
     """A core that can take bytes written straight into its memory (FrameDecoder,
     averaging.Exchange): see FrameDecoder.receive_buffer."""
@@ -32,7 +37,7 @@ async def pump(stream: INetStream, next_event: Callable[[], Any],
     whatever lands where the core wants it (a tensor payload: for fp32 the receive vector
     itself) is opened there, not copied in by `feed`.
 
-    EOF in the middle of a message is the peer's fault: RemoteProtocolError.
+    EOF before a whole message is the peer's doing: StreamEnded (a RemoteProtocolError).
     """
     read_into = getattr(stream, "read_into", None) if into is not None else None
     while True:
@@ -51,7 +56,7 @@ async def pump(stream: INetStream, next_event: Callable[[], Any],
             except StreamEOF:
                 data = b""
         if not data:
-            raise RemoteProtocolError("stream ended in the middle of a message")
+            raise StreamEnded("stream ended in the middle of a message")
         feed(data)
 
 

@@ -12,6 +12,10 @@ What the wrapper adds (each item is a measured quirk of py-libp2p 0.8.1, notes/l
   local records (KadDHT stops at the first local record and returns duplicates).
 * `provide` is remembered and re-announced periodically: KadDHT's provide is
   fire-and-forget, and provider records expire.
+* A deadline on every inbound DHT stream (`STREAM_DEADLINE_S`, applied by the host's
+  gate, p2p/gate.py): KadDHT's handler reads messages in a loop with no timeout, so a
+  half-sent message or an idle stream was held forever, and twelve of them filled its
+  global inbound limiter, refusing every honest peer's query.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ DHT_PROTOCOL = TProtocol("/peertrain/kad/1.0.0")
 for _module in (_common, _kad, _routing, _providers, _values):
     _module.PROTOCOL_ID = DHT_PROTOCOL  # type: ignore[attr-defined]
 
+# How long one inbound DHT stream may live. py-libp2p's clients open a stream per request
+# and close it after the answer (milliseconds on a LAN); 15 s leaves a loaded node's slow
+# answer room, and is above a query's own 10 s timeout.
+STREAM_DEADLINE_S = 15.0
+
 # The DHT logs a WARNING for every cleanly finished request (EOF is read as an error).
 logging.getLogger("libp2p.kad_dht").setLevel(logging.ERROR)
 
@@ -56,6 +65,7 @@ class DHT:
         query_timeout: float = 10.0,
     ) -> None:
         self.host = host
+        self.protocol = DHT_PROTOCOL
         self.reprovide_interval = reprovide_interval
         self.query_timeout = query_timeout
         self.kad = KadDHT(

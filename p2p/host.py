@@ -8,15 +8,18 @@ py-libp2p 0.8.1 are handled here once, so nothing above has to know about them:
 * an exception escaping a stream handler took the whole host down (pitfall 2):
   every handler registered through `set_handler` is guarded, and `serve()` restarts the
   host (same key, same listen addresses) if it dies anyway.
+
+The guard is the host's `Gate` (p2p/gate.py): it also sits in front of the handlers
+py-libp2p registers itself (the DHT's, gossipsub's, identify, ping), so every inbound
+stream is budgeted, scored and, where it has one, held to its deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libp2p.network.swarm as _swarm
 import multiaddr
@@ -39,7 +42,8 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p.dht import DHT
+from p2p.dht import DHT, STREAM_DEADLINE_S
+from p2p.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +84,6 @@ class GossipSettings:
 class SubstrateStats:
     started: int = 0
     restarts: int = 0
-    handler_errors: int = 0
-    last_handler_error: str = ""
-    handler_errors_by_protocol: dict[str, int] = field(default_factory=dict)
 
 
 def parse_peer_addr(addr: str) -> PeerInfo:
@@ -109,6 +110,7 @@ class Substrate:
         dht_protocol_validators: dict | None = None,
         gossip: GossipSettings | None = None,
         max_restarts: int = 5,
+        gate: Gate | None = None,
     ) -> None:
         self.key_pair = key_pair
         self.listen = [multiaddr.Multiaddr(a) for a in listen]
@@ -117,6 +119,7 @@ class Substrate:
         self._validators = dict(dht_protocol_validators or {})
         self._handlers: dict[str, Handler] = {}
         self.stats = SubstrateStats()
+        self.gate = gate or Gate()
         self.host: IHost | None = None
         self.dht: DHT | None = None
         self.pubsub: Pubsub | None = None
@@ -129,24 +132,11 @@ class Substrate:
         """Register a handler for `protocol`; an exception in it ends that stream only."""
         self._handlers[protocol] = handler
         if self.host is not None:
-            self.host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
+            self.host.set_stream_handler(TProtocol(protocol), self.gate.guard(protocol, handler))
 
-    def _guard(self, protocol: str, handler: Handler) -> Handler:
-        async def guarded(stream: INetStream) -> None:
-            try:
-                await handler(stream)
-            except Exception as e:  # one bad stream must never take down the host
-                peer = _remote_peer(stream)
-                self.stats.handler_errors += 1
-                self.stats.last_handler_error = f"{protocol} from {peer}: {e!r}"
-                by = self.stats.handler_errors_by_protocol
-                by[protocol] = by.get(protocol, 0) + 1
-                log.warning("handler %s failed for peer %s: %r", protocol, peer, e)
-                with trio.move_on_after(1):
-                    with contextlib.suppress(Exception):
-                        await stream.reset()
-
-        return guarded
+    @property
+    def handler_errors(self) -> int:
+        return sum(self.gate.handler_errors.values())
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -190,10 +180,20 @@ class Substrate:
         # The DHT must exist before the first connection: identify then sees our kad
         # handler and peers add us to their routing tables (notes/libp2p.md §4).
         dht = DHT(host, validators=self._validators)
+        # py-libp2p's own handlers (DHT, gossipsub, identify, ping) are guarded too; only
+        # the DHT's stream gets a whole-stream deadline: gossipsub's streams live as long
+        # as the connection, and ping and identify bound themselves.
+        for protocol, handler in list(host.get_mux().handlers.items()):
+            if protocol is not None and handler is not None:
+                deadline = STREAM_DEADLINE_S if protocol == dht.protocol else None
+                host.set_stream_handler(protocol, self.gate.guard(protocol, handler, deadline))
         for protocol, handler in self._handlers.items():
-            host.set_stream_handler(TProtocol(protocol), self._guard(protocol, handler))
+            host.set_stream_handler(TProtocol(protocol), self.gate.guard(protocol, handler))
+        self.gate.attach(host)
         async with (host.run(listen_addrs=self.listen), background_trio_service(pubsub),
-                    background_trio_service(router), dht.running()):
+                    background_trio_service(router), dht.running(),
+                    trio.open_nursery() as nursery):
+            await nursery.start(self.gate.run)
             await pubsub.wait_until_ready()
             self.host, self.dht, self.pubsub = host, dht, pubsub
             self.stats.started += 1
@@ -217,6 +217,8 @@ class Substrate:
         info = parse_peer_addr(addr)
         if info.peer_id == self.peer_id:
             raise DialError(addr, "that is this node's own address")
+        if (ban := self.gate.banned(info.peer_id.to_base58())) is not None:
+            raise DialError(addr, f"peer is banned ({ban.reason})")
         assert self.host is not None
         try:
             with trio.fail_after(timeout):
@@ -232,13 +234,6 @@ class Substrate:
     async def open_stream(self, peer: ID, protocol: str) -> INetStream:
         assert self.host is not None
         return await self.host.new_stream(peer, [TProtocol(protocol)])
-
-
-def _remote_peer(stream: INetStream) -> str:
-    try:
-        return stream.muxed_conn.peer_id.to_base58()
-    except Exception:
-        return "?"
 
 
 def _dial_reason(e: BaseException) -> str:

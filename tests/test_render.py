@@ -50,3 +50,16 @@ def test_a_wide_terminal_also_gets_peer_ids():
     text = "\n".join(table(140))
     assert "id" in text.split("\n")[2] and IDS[1][-6:] in text
     assert "node4" in text and "not answering" in text
+
+
+def test_node_status_lists_banned_peers_only_when_there_are_some():
+    st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
+          "p2p": {}, "membership": {"peers": []}, "guard": {"bans": {}}}
+    console = Console(width=200, record=True)
+    console.print(r.node_status_table(st))
+    assert "banned" not in console.export_text()
+    st["guard"]["bans"] = {IDS[3]: {"reason": "invalid", "seconds_left": 599.5,
+                                    "until_unix": 1_900_000_000.0, "count": 1}}
+    console.print(r.node_status_table(st))
+    text = console.export_text()
+    assert "1 banned peers" in text and IDS[3] in text and "invalid" in text

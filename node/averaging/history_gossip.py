@@ -143,7 +143,8 @@ class HistoryGossip:
 
     def _refuse(self, sender: str, reason: str) -> None:
         self.refused[reason.split(":")[0][:60]] += 1
-        log.info("refused a history entry from %s: %s", sender, reason)
+        log.info("refused a history entry from %s: %s", sender, reason,
+                 extra={"peer": sender, "reason": "history entry"})
 
 
 async def _read_all(stream: INetStream, limit: int) -> bytes:

@@ -259,7 +259,8 @@ class Averager:
         elif peer not in self.group(r):
             reason = f"not my partner in round {r}"
         if reason:
-            log.info("refused offer from %s: %s", peer, reason)
+            log.info("refused offer from %s: %s", peer, reason,
+                     extra={"peer": peer, "reason": "offer"})
             await stream.write(ex.reject(reason))
             return
         slot = self._round(r)
@@ -270,7 +271,8 @@ class Averager:
                 await slot.ready.wait()
             if offer.numel != slot.snapshot.numel():
                 log.info("refused offer from %s: %d values, our model has %d", peer,
-                         offer.numel, slot.snapshot.numel())
+                         offer.numel, slot.snapshot.numel(),
+                         extra={"peer": peer, "reason": "offer size"})
                 await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
                                              f"not {offer.numel}"))
                 return

@@ -23,7 +23,7 @@ from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.service import NodeContext
-from node.streams import next_event
+from node.streams import StreamEnded, next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
@@ -62,8 +62,8 @@ class CheckpointServer:
                 with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
                     try:
                         env = await next_event(stream, decoder)
-                    except RemoteProtocolError:
-                        return  # the asker hung up (or misbehaved): end of session
+                    except StreamEnded:
+                        return  # the asker hung up: end of session (garbage goes to the guard)
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)

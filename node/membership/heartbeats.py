@@ -72,7 +72,9 @@ class HeartbeatService:
                         beat = hb.decode(msg.data, sender)
                     except RemoteProtocolError as e:
                         self.rejected += 1
-                        log.info("rejected heartbeat from %s: %s", sender, e)
+                        ctx.substrate.gate.penalize(sender, "invalid_gossip")
+                        log.info("rejected heartbeat from %s: %s", sender, e,
+                                 extra={"peer": sender, "reason": "bad heartbeat"})
                         continue
                     first = ctx.membership.first_peer_after_s is None
                     if ctx.membership.heard(beat):

@@ -108,7 +108,9 @@ class ManifestService:
                     except mf.ManifestError as e:
                         rejected = True
                         reasons[peer.to_base58()] = f"served a bad manifest: {e}"
-                        log.warning("peer %s served a bad manifest for %s: %s", peer, run_id, e)
+                        substrate.gate.penalize(peer.to_base58(), "invalid")
+                        log.warning("peer %s served a bad manifest for %s: %s", peer, run_id, e,
+                                    extra={"peer": peer.to_base58(), "reason": "bad manifest"})
                     except (LookupError, RemoteProtocolError) as e:
                         reasons[peer.to_base58()] = str(e)
                     except Exception as e:

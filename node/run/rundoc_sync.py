@@ -136,7 +136,8 @@ class RunDocSync:
         result = self.doc.merge(delta, now_ms())
         for key, reason in result.rejected:
             self.rejected += 1
-            log.warning("run document: rejected %s from %s: %s", key, source, reason)
+            log.warning("run document: rejected %s from %s: %s", key, source, reason,
+                        extra={"peer": source, "reason": f"rundoc {reason}"})
 
     async def _announce_loop(self) -> None:
         me = self.signer.peer_id
@@ -167,7 +168,9 @@ class RunDocSync:
                         self._merge(msg.data, sender)
                     except RemoteProtocolError as e:
                         self.rejected += 1
-                        log.info("run document: bad delta from %s: %s", sender, e)
+                        self.substrate.gate.penalize(sender, "invalid_gossip")
+                        log.info("run document: bad delta from %s: %s", sender, e,
+                                 extra={"peer": sender, "reason": "bad delta"})
             except Exception as e:
                 log.warning("meta subscription ended (%r); re-subscribing", e)
                 await trio.sleep(0.5)

@@ -1,0 +1,140 @@
+"""The gate (p2p/gate.py) between two real hosts on loopback, in this process: budgets
+refuse before the handler runs, the DHT's stream has a deadline, a garbage sender is
+banned, disconnected and refused."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+import p2p.host
+from p2p.budget import BudgetLimits
+from p2p.dht import DHT_PROTOCOL
+from p2p.gate import Gate
+from p2p.host import DialError, Substrate
+from tests.conftest import await_until
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class Garbage(Exception):
+    """What the test's handler raises for bad bytes; classified as `invalid`."""
+
+
+def _classify(e: BaseException) -> str | None:
+    return "invalid" if isinstance(e, Garbage) else None
+
+
+async def _open(sender: Substrate, peer, protocol: str):
+    try:
+        with trio.fail_after(10):
+            return await sender.open_stream(peer, protocol)
+    except Exception:
+        return None  # refused: reset during or right after negotiation
+
+
+async def test_streams_over_the_per_protocol_budget_never_reach_the_handler():
+    node = Substrate(create_new_key_pair(), [LOOPBACK],
+                     gate=Gate(BudgetLimits(streams_per_peer_protocol=4)))
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    started = 0
+
+    async def idle(stream) -> None:
+        nonlocal started
+        started += 1
+        await trio.sleep_forever()
+
+    node.set_handler("/test/idle/1", idle)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            for _ in range(10):
+                await _open(other, peer, "/test/idle/1")
+            await await_until(lambda: node.gate.budget.refused["streams_per_peer_protocol"] >= 6,
+                              30, "6 refusals")
+            assert started == 4
+            assert node.gate.misbehaviour["over_budget"] == 6
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_half_sent_dht_message_is_cut_at_the_deadline(monkeypatch):
+    monkeypatch.setattr(p2p.host, "STREAM_DEADLINE_S", 1.0)
+    node = Substrate(create_new_key_pair(), [LOOPBACK])
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            stream = await other.open_stream(peer, str(DHT_PROTOCOL))
+            await stream.write(b"\x40half")  # announces 64 bytes, sends 4
+            await await_until(lambda: node.gate.deadline_misses[str(DHT_PROTOCOL)] >= 1,
+                              30, "the DHT stream's deadline")
+            assert node.gate.misbehaviour["deadline"] == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_garbage_sender_is_banned_disconnected_and_refused():
+    node = Substrate(create_new_key_pair(), [LOOPBACK], gate=Gate(classify=_classify))
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+
+    async def strict(stream) -> None:
+        raise Garbage(await stream.read(100))
+
+    node.set_handler("/test/strict/1", strict)
+    hostile = other.peer_id.to_base58()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            sent = 0
+            while node.gate.banned(hostile) is None and sent < 50:
+                stream = await _open(other, peer, "/test/strict/1")
+                if stream is not None:
+                    sent += 1
+                    try:
+                        await stream.write(b"junk")
+                        await stream.read(10)
+                    except Exception:
+                        pass
+            assert node.gate.banned(hostile) is not None and sent <= 8, sent
+            await await_until(lambda: other.peer_id not in node.connected_peers(), 30,
+                              "the banned peer to be disconnected")
+            assert node.gate.statistics()["bans"][hostile]["reason"] == "invalid"
+            # It may dial again; the node closes the connection and refuses its streams.
+            try:
+                await other.connect(node.addrs()[0])
+                assert await _open(other, peer, "/test/strict/1") is None
+            except DialError:
+                pass
+            await await_until(lambda: other.peer_id not in node.connected_peers(), 30,
+                              "the redialed connection to be closed")
+            with pytest.raises(DialError, match="banned"):  # and never dials it itself
+                await node.connect(other.addrs()[0])
+            nursery.cancel_scope.cancel()
+
+
+async def test_garbage_on_gossipsub_ends_that_stream_not_the_host():
+    """py-libp2p's gossipsub handler lets a protobuf DecodeError (or MessageTooLarge)
+    escape; unguarded, 11 bytes took the whole host down and every connection with it
+    (the supervisor restarted it; the node then redialed its peers)."""
+    from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
+
+    node = Substrate(create_new_key_pair(), [LOOPBACK])
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            stream = await other.open_stream(peer, str(PROTOCOL_ID_V12))
+            await stream.write(bytes([10]) + b"\xff" * 10)
+            await await_until(lambda: node.gate.misbehaviour["invalid"] >= 1, 30,
+                              "the node to score the garbage")
+            assert node.stats.restarts == 0
+            assert other.peer_id in node.connected_peers()
+            nursery.cancel_scope.cancel()
