@@ -266,9 +266,15 @@ class Averager:
         slot = self._round(r)
         done = slot.inbound_done.setdefault(peer, trio.Event())
         try:
-            # Our own trainer may reach the boundary a little after the partner did.
-            with trio.fail_after(self.deadline(peer, offer.numel)):
+            # Our own trainer may reach the boundary a little after the partner did. If it
+            # is later than that, the fault is ours: refuse politely (a handler error would
+            # count against the partner's score in the guard).
+            with trio.move_on_after(self.deadline(peer, offer.numel)):
                 await slot.ready.wait()
+            if not slot.ready.is_set():
+                log.info("round %d: not at the boundary in time for %s; local step", r, peer)
+                await stream.write(ex.reject(f"round {r} not reached here in time"))
+                return
             if offer.numel != slot.snapshot.numel():
                 log.info("refused offer from %s: %d values, our model has %d", peer,
                          offer.numel, slot.snapshot.numel(),
