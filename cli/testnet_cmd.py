@@ -117,8 +117,10 @@ def up(
     except KeyboardInterrupt:
         pass
     finally:
+        churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
-        err.print(f"testnet down: stopped {stopped} processes")
+        err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
+                  f"stopped {stopped} processes")
 
 
 @app.command()

@@ -224,3 +224,15 @@ def test_down_stops_a_running_churn_and_leaves_nothing(testnet_factory):
     assert not any(launcher.alive(pid) for pid in pids if pid)
     assert not launcher.alive(net.churn_pid or 0)
     assert launcher.Testnet.load(directory) is None
+
+
+@pytest.mark.slow  # `node bench churn --quick`: 4 nodes, about 3 minutes
+def test_churn_bench_quick_writes_its_table(tmp_path):
+    from testnet.bench import churn as bench
+
+    doc = tmp_path / "benchmarks.md"
+    bench.main(quick=True, doc=doc)
+    text = doc.read_text()
+    assert "<!-- bench:churn:start -->" in text
+    assert "| node | kills | back, same peer id |" in text
+    assert "skipped 0" in text and "**no**" not in text
