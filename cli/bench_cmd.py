@@ -92,6 +92,14 @@ def partition(quick: Quick = False) -> None:
         raise fail(str(e), 2) from None
 
 
+@app.command()
+def churn(quick: Quick = False) -> None:
+    """Training through churn: 8 nodes, random SIGKILLs and restarts for 10 min (PNG)."""
+    from testnet.bench import churn as bench
+
+    bench.main(quick=quick)
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
@@ -101,6 +109,7 @@ def run_all(quick: Quick = False) -> None:
     robust(quick)
     join(quick)
     pull(quick)
+    churn(quick)
     from testnet.netns import available
 
     if available() is None:  # root only

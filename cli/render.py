@@ -69,8 +69,11 @@ def _peers(st: dict[str, Any]) -> list[dict[str, Any]]:
     return (st.get("membership") or {}).get("peers", [])
 
 
-def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = None) -> Table:
+def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = None,
+                  churn: dict[str, Any] | None = None) -> Table:
     """One row per testnet process; `rows` come from `testnet.launcher.collect_status`.
+
+    `churn` (testnet.churn.summary) adds a `kills` column and a caption with the counts.
 
     Classification runs (the sybil scenario) get accuracy, attack-success and the weight
     this node's aggregator gave to sybils in place of the partner and traffic columns.
@@ -90,6 +93,11 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
                 "MB out/in", "compute"])
     if compact:
         columns.remove("id")
+    if churn:
+        columns.insert(columns.index("phase") + 1, "kills")
+        from testnet.churn import describe
+
+        table.caption, table.caption_justify = describe(churn), "left"
     for col in columns:
         table.add_column(col, no_wrap=True,
                          justify="left" if col in ("node", "id", "phase", "partner") else "right")
@@ -97,7 +105,8 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
         st = r.get("status")
         if st is None:
             cells: dict[str, Any] = dict.fromkeys(columns, "-")
-            cells.update(node=r["name"], phase=Text(r.get("error", "down"), "red"))
+            cells.update(node=r["name"], phase=Text(r.get("error", "down"), "red"),
+                         kills=str((churn or {}).get("per_node", {}).get(r["name"], 0)))
             table.add_row(*(cells[c] for c in columns))
             continue
         t = st.get("training") or {}
@@ -106,6 +115,7 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
         style = "green" if phase in ("running", "training") else "yellow"
         cells = {
             "node": r["name"],
+            "kills": str((churn or {}).get("per_node", {}).get(r["name"], 0)),
             "id": short(st["peer_id"]),
             "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
             "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),

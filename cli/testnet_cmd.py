@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import datetime
 from pathlib import Path
@@ -14,7 +15,7 @@ from rich.live import Live
 from cli import checks
 from cli.common import err, fail, out
 from cli.render import testnet_table
-from testnet import launcher, netns
+from testnet import churn, launcher, netns
 
 app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
                                               "(or in network namespaces, as root).")
@@ -41,19 +42,33 @@ def up(
     scenario: Annotated[str | None, typer.Option(
         help="'sybil': --honest nodes plus one attacker with --sybils identities sending a "
              "poisoned model (docs/robustness.md). 'partition' (root): every process in a "
-             "network namespace of its own, for `node testnet partition` and `heal`.")] = None,
+             "network namespace of its own, for `node testnet partition` and `heal`. "
+             "'churn': SIGKILL and restart random nodes at --kill-rate (docs/operator.md).")]
+    = None,
     honest: Annotated[int | None, typer.Option(help="sybil scenario: honest nodes.")] = None,
     sybils: Annotated[int, typer.Option(help="sybil scenario: the attacker's identities.")] = 4,
     attack: Annotated[str, typer.Option(help="sybil scenario: label-flip or backdoor.")]
     = "label-flip",
     aggregator: Annotated[str | None, typer.Option(
         help="Override aggregate.method: mean, vc, median, krum, foolsgold, sybilwall.")] = None,
+    kill_rate: Annotated[float | None, typer.Option(
+        help="churn scenario: kills per minute (default 2); never the bootstrap, at most a "
+             "quarter of the nodes down at once.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        help="churn scenario: seconds of churn (default 600); the testnet runs on after.")]
+    = None,
+    seed: Annotated[int | None, typer.Option(help="churn scenario: the schedule's seed (0).")]
+    = None,
+    poisson: Annotated[bool, typer.Option(
+        "--poisson", help="churn scenario: Poisson kill times instead of a fixed interval.")]
+    = False,
 ) -> None:
     """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
     directory = directory or launcher.default_dir()
     extra = ["--no-train"] if no_train else []
-    if scenario not in (None, "sybil", "partition"):
-        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition", 2)
+    if scenario not in (None, "sybil", "partition", "churn"):
+        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn", 2)
+    churn_config = _churn_config(scenario, nodes, kill_rate, duration, seed, poisson)
     for flag, value in (("--nodes", nodes), ("--honest", honest), ("--sybils", sybils)):
         if value is not None and value < 1:
             raise fail(f"{flag} {value}: expected at least 1", 2)
@@ -67,6 +82,8 @@ def up(
         if reason:
             raise fail(f"--scenario partition puts each node in a network namespace: {reason}",
                        2)
+    if scenario == "churn":
+        manifest = manifest or launcher.scenario_manifest_path("churn")
     if scenario == "sybil":
         nodes = honest if honest is not None else nodes
         manifest = manifest or launcher.scenario_manifest_path("sybil")
@@ -78,7 +95,7 @@ def up(
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
                               aggregator=aggregator, netns=scenario == "partition",
-                              on_progress=lambda m: spinner.update(m))
+                              churn=churn_config, on_progress=lambda m: spinner.update(m))
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
@@ -91,22 +108,29 @@ def up(
     try:
         with Live(console=out, refresh_per_second=2, transient=False) as live:
             while True:
+                net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
                 live.update(testnet_table(launcher.collect_status(net),
                                           f"testnet {net.run_id} (Ctrl-C stops it)",
-                                          width=out.width))
+                                          width=out.width,
+                                          churn=churn.summary(churn.load_state(Path(net.dir)))))
                 time.sleep(1.0)
     except KeyboardInterrupt:
         pass
     finally:
+        churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
-        err.print(f"testnet down: stopped {stopped} processes")
+        err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
+                  f"stopped {stopped} processes")
 
 
 @app.command()
 def down(directory: Dir = None) -> None:
     """Stop every process of the testnet."""
     directory = directory or launcher.default_dir()
+    churned = launcher.stop_churn(directory)
     stopped = launcher.down(directory)
+    if churned:
+        err.print("stopped the churn")
     err.print(f"stopped {stopped} processes" if stopped else f"no testnet running in {directory}",
               markup=False, highlight=False)
 
@@ -119,12 +143,36 @@ def status(
     """Show each testnet process: phase, peers, connections."""
     net = _load(directory or launcher.default_dir())
     rows = launcher.collect_status(net)
+    churning = churn.summary(churn.load_state(Path(net.dir)))
     if as_json:
         cut = (net.netns or {}).get("cut")
         print(json.dumps({"run": net.run_id, "dir": net.dir, "partition": cut,
-                          "processes": rows}, indent=2))
+                          "churn": churning, "processes": rows}, indent=2))
     else:
-        out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width))
+        out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width, churn=churning))
+
+
+def _churn_config(scenario: str | None, nodes: int, rate: float | None,
+                  duration: float | None, seed: int | None,
+                  poisson: bool) -> churn.ChurnConfig | None:
+    """The churn scenario's settings, each bad value one line and exit 2."""
+    if scenario != "churn":
+        for flag, value in (("--kill-rate", rate), ("--duration", duration), ("--seed", seed),
+                            ("--poisson", poisson or None)):
+            if value is not None:
+                raise fail(f"{flag} applies to the churn scenario only: add --scenario churn",
+                           2)
+        return None
+    if nodes < 2:
+        raise fail(f"--nodes {nodes}: the churn scenario needs at least 2 nodes", 2)
+    rate = 2.0 if rate is None else rate
+    if not (math.isfinite(rate) and rate > 0):
+        raise fail(f"--kill-rate {rate:g}: expected kills per minute greater than 0", 2)
+    duration = churn.DEFAULT_DURATION_S if duration is None else duration
+    checks.positive_seconds("--duration", duration)
+    if seed is not None and seed < 0:
+        raise fail(f"--seed {seed}: expected 0 or more", 2)
+    return churn.ChurnConfig(rate=rate, duration_s=duration, seed=seed or 0, poisson=poisson)
 
 
 @app.command()

@@ -34,7 +34,9 @@ from node.files import atomic_write
 from node.run.store import RunStore
 from node.status.control import NETNS_ENV, ControlUnavailable, query_control
 from protocols import manifest as mf
+from testnet import churn as churn_mod
 from testnet import netns as ns
+from testnet.churn import ChurnConfig, Kill, kill_schedule
 
 STATE_FILE = "testnet.json"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -67,6 +69,7 @@ class Testnet:
     detached: bool
     launcher_pid: int
     netns: dict[str, Any] | None = None  # testnet/netns.py Topology, when namespaced
+    churn_pid: int | None = None  # the churn driver (testnet/churn.py), while one runs
 
     def save(self) -> None:
         atomic_write(Path(self.dir) / STATE_FILE, json.dumps(asdict(self), indent=2).encode())
@@ -151,7 +154,7 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
        extra_node_args: list[str] | None = None, timeout: float = 60.0,
        sybils: int = 0, attack: str | None = None, aggregator: str | None = None,
        netns: bool = False, neighbours: dict[str, list[str]] | None = None,
-       on_progress=lambda msg: None) -> Testnet:
+       churn: ChurnConfig | None = None, on_progress=lambda msg: None) -> Testnet:
     """Start a bootstrap and `nodes` nodes; return once every node is running.
 
     With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
@@ -161,6 +164,7 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
     whom every round, by process name (`{"node1": ["sybil1", "sybil2"]}`; the relation is
     made symmetric), instead of the run's random pairing: a scenario whose outcome depends
     on who meets whom becomes deterministic. Processes not named keep the run's pairing.
+    `churn`: once every node runs, start killing and restarting nodes (testnet/churn.py).
     """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
@@ -232,6 +236,9 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         net.save()
         _wait_for(lambda: all(_phase(p) == "running" for p in procs), timeout,
                   "every node to join the run", procs)
+        if churn is not None:
+            on_progress("starting the churn")
+            start_churn(net, churn)
     except BaseException:
         down(directory)
         raise
@@ -295,9 +302,61 @@ def collect_status(net: Testnet) -> list[dict[str, Any]]:
     return rows
 
 
-def down(directory: Path, timeout: float = 10.0) -> int:
-    """Stop every process of the testnet; returns how many were running."""
+def start_churn(net: Testnet, config: ChurnConfig) -> list[Kill]:
+    """Start the churn driver (testnet/churn.py) on this testnet; returns its schedule.
+
+    The bootstrap is never on the schedule. The driver's pid is in testnet.json before it
+    starts (it waits for a `go` on stdin), so `down` always finds it."""
+    if net.churn_pid is not None and alive(net.churn_pid):
+        raise TestnetError("a churn is already running on this testnet")
+    names = [p.name for p in net.procs if p.name != "bootstrap"]
+    if len(names) < 2:
+        raise TestnetError("churn needs at least 2 nodes")
+    schedule = kill_schedule(names, config.rate, config.duration_s, config.seed,
+                             config.poisson)
+    state = churn_mod.new_state(config, schedule, len(names))
+    atomic_write(Path(net.dir) / churn_mod.STATE_FILE, json.dumps(state, indent=1).encode())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(Path(net.dir) / "churn.log", "ab")  # noqa: SIM115 - handed to the child
+    p = subprocess.Popen([sys.executable, "-m", "testnet.churn_driver", net.dir],
+                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True, env=env,
+                         preexec_fn=None if net.detached else _pdeathsig)
+    log.close()
+    net.churn_pid = p.pid
+    net.save()
+    assert p.stdin is not None
+    p.stdin.write(b"go\n")
+    p.stdin.close()
+    return schedule
+
+
+def stop_churn(directory: Path, timeout: float = 10.0) -> bool:
+    """Stop the churn driver, if one runs: SIGTERM (it stops between two actions), then
+    SIGKILL after `timeout`. True if one was running."""
     net = Testnet.load(Path(directory).resolve())
+    pid = net.churn_pid if net else None
+    if pid is None or not alive(pid, "testnet.churn_driver"):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive(pid, "testnet.churn_driver"):
+        _reap()
+        time.sleep(0.05)
+    if alive(pid, "testnet.churn_driver"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _reap()
+    return True
+
+
+def down(directory: Path, timeout: float = 10.0) -> int:
+    """Stop every process of the testnet; returns how many were running (nodes, bootstrap).
+
+    A churn driver is stopped first, so that it restarts nothing while the nodes stop."""
+    stop_churn(directory)
+    net = Testnet.load(Path(directory).resolve())  # (again: the churn changes pids)
     if net is None:
         return 0
     running = [p for p in net.procs if alive(p.pid, p.state_dir)]
