@@ -131,3 +131,21 @@ def test_a_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
     restore_checkpoint(resumed, None, store.load(cid)[1])
     assert resumed.model.lm_head.weight is resumed.model.wte.weight
     assert torch.equal(resumed.parameters_vector(), trainer.parameters_vector())
+
+
+async def test_a_node_that_jumps_to_the_swarm_round_still_checkpoints():
+    """Joining the swarm's round moves the step past (or onto) a checkpoint step without
+    computing it; the checkpoint is then written at the next step, not a whole interval
+    later (seen under churn: a restarted node went 169 steps without one)."""
+    snapshots: list[int] = []
+
+    async def keep(snapshot) -> None:
+        snapshots.append(snapshot.step)
+
+    service = TrainingService(build(), exchange=None, max_steps=25, checkpoint_every=10,
+                              on_snapshot=keep)
+    service.swarm_step = 20  # the swarm is two rounds (H = 5) ahead: jump from 0 to 20
+    with trio.fail_after(60):
+        await service.run()
+    assert service.stats.step == 25
+    assert snapshots == [21]  # 20 was jumped onto, never computed; 30 is past the end

@@ -49,6 +49,7 @@ def now_ms() -> int:
 
 
 ANNOUNCE_S = 2.0
+RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # anti-entropy with a peer whose last round failed
 
 
 def load_document(state_dir: Path, run_id: str, signer: Signer,
@@ -180,7 +181,14 @@ class RunDocSync:
     async def _anti_entropy_loop(self) -> None:
         last_full = 0.0
         in_flight: set[str] = set()
-        failed_at: dict[str, float] = {}
+        # peer -> (when its last round failed, how long to wait before the next): 2 s,
+        # doubling to 60 s. Without the backoff a loaded swarm retried every 2 s and the
+        # retries (10 s each) crowded out the rounds that could succeed (seen under churn).
+        failed: dict[str, tuple[float, float]] = {}
+
+        def may_retry(peer: str, now: float) -> bool:
+            failed_at, wait = failed.get(peer, (0.0, 0.0))
+            return now - failed_at >= wait
 
         async def sync(peer: str) -> None:
             try:
@@ -188,12 +196,15 @@ class RunDocSync:
                     await self._sync_with(peer)
                 self.syncs += 1
                 self.first_sync.set()
+                failed.pop(peer, None)
             except Exception as e:
-                # retried in a few seconds while it stays live: right after a heal the
-                # first try can fail while the connections are re-made
+                # retried while it stays live: right after a heal the first try can fail
+                # while the connections are re-made
                 self._synced_with.discard(peer)
-                failed_at[peer] = time.monotonic()
-                log.info("anti-entropy with %s failed: %r", peer, e)
+                wait = min(RETRY_MAX_S, 2 * failed[peer][1]) if peer in failed else RETRY_MIN_S
+                failed[peer] = (time.monotonic(), wait)
+                log.info("anti-entropy with %s failed (next try in %.0f s): %r", peer, wait, e,
+                         extra={"peer": peer, "reason": "anti-entropy failed"})
             finally:
                 in_flight.discard(peer)
 
@@ -206,14 +217,15 @@ class RunDocSync:
                 # as it is back: what it wrote meanwhile never reaches us by gossip again.
                 self._synced_with.intersection_update(live)
                 new = [p for p in live if p not in self._synced_with and p not in in_flight
-                       and now - failed_at.get(p, -1e9) >= 2.0]
+                       and may_retry(p, now)]
                 due = now - last_full >= self.anti_entropy_s
                 idle = [p for p in live if p not in in_flight]
                 targets = new[:4] if new else ([random.choice(idle)] if idle and due else [])
                 if due:
                     last_full = now
-                for p in [p for p, t in failed_at.items() if now - t > 60]:
-                    del failed_at[p]
+                for p in [p for p, (t, _) in failed.items() if p not in live
+                          and now - t > RETRY_MAX_S]:
+                    del failed[p]
                 # concurrently, so a stuck peer never delays the others; at most 4 start
                 # per tick and each ends within 10 s: at most 80 in flight
                 for peer in targets:

@@ -210,7 +210,12 @@ class TrainingService:
         st.params = int(trainer.parameters_vector().numel())
         st.phase = "training"
         st.started_at = time.monotonic()
+        st.step = trainer.step_count  # a resumed trainer starts at its checkpoint's step
         pending: dict[int, Any] = {}  # round -> snapshot awaiting its outcome
+        # Checkpoints are due each time the step passes a multiple of checkpoint_every, not
+        # only on the multiple itself: a node that jumps to the swarm's round may land on
+        # (or skip) it, and a restarted, lagging node went hundreds of steps without one.
+        saved = st.step // self.checkpoint_every if self.checkpoint_every else 0
         while not self._stop.is_set():
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
@@ -235,7 +240,8 @@ class TrainingService:
                 st.val_metrics = {k: round(v, 4) for k, v in (trainer.last_eval or {}).items()}
                 if st.first_val_loss is None:
                     st.first_val_loss = s.val_loss
-            if self.checkpoint_every and s.step % self.checkpoint_every == 0:
+            if self.checkpoint_every and s.step // self.checkpoint_every > saved:
+                saved = s.step // self.checkpoint_every
                 post(Snapshot(s.step, checkpoint_tensors(trainer, outer)))
             if outer is not None and s.step % inner_steps == 0:
                 st.round = s.step // inner_steps
