@@ -172,8 +172,8 @@ class Gate:
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer(stream)
             reason = self.budget.admit_protocol(peer, protocol)
-            if reason is not None:
-                self.penalize(peer, "over_budget")
+            if reason is not None:  # refused, not scored: honest peers get here too (one
+                # protocol's rounds outpacing its exchanges); the per-peer budget scores
                 log.info("refused a %s stream from %s: %s", protocol, peer, reason,
                          extra={"peer": peer, "reason": reason})
                 await _reset(stream)

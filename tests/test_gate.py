@@ -56,7 +56,8 @@ async def test_streams_over_the_per_protocol_budget_never_reach_the_handler():
             await await_until(lambda: node.gate.budget.refused["streams_per_peer_protocol"] >= 6,
                               30, "6 refusals")
             assert started == 4
-            assert node.gate.misbehaviour["over_budget"] == 6
+            # refused, not scored: honest peers reach a protocol's budget too
+            assert node.gate.misbehaviour["over_budget"] == 0
             nursery.cancel_scope.cancel()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from protocols.errors import RemoteProtocolError
 log = logging.getLogger("node.averaging")
 
 PROTOCOL_ID = av.PROTOCOL_ID
+MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter than one)
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
 
 
@@ -96,6 +98,7 @@ class Averager:
         self.lane_failed: dict[str, float] = {}
         self.lane_host = _listen_host(substrate)
         self.after_round = after_round
+        self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         self._nursery: trio.Nursery | None = None
         substrate.set_handler(PROTOCOL_ID, self._handle)
 
@@ -171,7 +174,10 @@ class Averager:
         slot = self._round(r)
         slot.snapshot = snapshot
         slot.ready.set()
-        partners = self.group(r)
+        # At most MAX_IN_FLIGHT exchanges with one partner at a time: rounds shorter than an
+        # exchange (a tiny model on a fast CPU) would otherwise pile up streams to it, which
+        # its guard refuses over its per-protocol budget. The rest of the round is local.
+        partners = [p for p in self.group(r) if self._in_flight[p] < MAX_IN_FLIGHT]
         if not partners:
             return Outcome(r, [])
         results: dict[str, Any] = {}
@@ -187,6 +193,16 @@ class Averager:
 
     async def _with_partner(self, r: int, partner: str, snapshot: Any, numel: int,
                             results: dict[str, Any]) -> None:
+        self._in_flight[partner] += 1
+        try:
+            await self._exchange_with(r, partner, snapshot, numel, results)
+        finally:
+            self._in_flight[partner] -= 1
+            if not self._in_flight[partner]:
+                del self._in_flight[partner]
+
+    async def _exchange_with(self, r: int, partner: str, snapshot: Any, numel: int,
+                             results: dict[str, Any]) -> None:
         limit = self.deadline(partner, numel)
         started = time.monotonic()
         try:
