@@ -14,6 +14,7 @@ from cli import render
 from node.checkpoints.store import CheckpointStore
 from testnet import churn, launcher
 from testnet.churn import ChurnConfig, Kill, kill_schedule, max_down
+from testnet.observe import holds, union
 from tests.conftest import answer, nodes, run_cli, status, training, wait_until
 
 NAMES = [f"node{i}" for i in range(1, 9)]
@@ -123,16 +124,8 @@ def test_start_churn_refuses_a_testnet_of_one_node(tmp_path):
 # -- a real churn ------------------------------------------------------------------------
 
 
-def union(replicas: list[dict[str, list]]) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for r in replicas:
-        for k, v in r.items():
-            out[k] = max(out.get(k, v), v)
-    return out
 
 
-def holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
-    return all(k in replica and replica[k] >= v for k, v in snapshot.items())
 
 
 @pytest.mark.slow  # a 4-node testnet churned for 75 s

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher, netns
+from testnet.observe import holds, union
 from tests.conftest import REPO, answer, members, nodes, peers, run_cli, status, wait_until
 
 
@@ -31,17 +32,8 @@ def live_peers(p: launcher.Proc) -> set[str]:
     return {q["peer_id"] for q in peers(p)}
 
 
-def holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
-    """True if `replica` has every entry of `snapshot`, at that version or a newer one."""
-    return all(k in replica and replica[k] >= v for k, v in snapshot.items())
 
 
-def union(replicas: list[dict[str, list]]) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for r in replicas:
-        for k, v in r.items():
-            out[k] = max(out.get(k, v), v)
-    return out
 
 
 @pytest.fixture

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from node.checkpoints.store import CheckpointStore
-from node.status.control import query_control
 from testnet import churn, launcher
 from testnet.bench.report import DOC, machine, md_table, write_section
+from testnet.observe import ask, holds, until
 
 FULL = {"nodes": 8, "rate": 2.0, "duration_s": 600.0}
 QUICK = {"nodes": 4, "rate": 4.0, "duration_s": 60.0}
@@ -40,29 +40,14 @@ SAMPLE_S = 5.0
 SEED = 0
 
 
-def _ask(p: launcher.Proc, cmd: str = "status") -> Any:
-    try:
-        return query_control(Path(p.state_dir), cmd, timeout=2.0) or {}
-    except Exception:
-        return {}
 
 
-def _until(predicate, timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def _trainers(net: launcher.Testnet) -> list[launcher.Proc]:
     return [p for p in net.procs if p.name != "bootstrap"]
 
 
-def _holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
-    return all(k in replica and replica[k] >= v for k, v in snapshot.items())
 
 
 def _sample(net: launcher.Testnet) -> list[dict[str, Any]]:
@@ -128,13 +113,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         try:
             res["run_id"] = net.run_id
             ids = {
-                p.name: _until(lambda p=p: _ask(p).get("peer_id"), 60, f"{p.name}'s peer id")
+                p.name: until(lambda p=p: ask(p).get("peer_id"), 60, f"{p.name}'s peer id")
                 for p in _trainers(net)
             }
             with console.status("waiting for every node to train"):
                 for p in _trainers(net):
-                    _until(
-                        lambda p=p: (_ask(p).get("training") or {}).get("step", 0) > 0,
+                    until(
+                        lambda p=p: (ask(p).get("training") or {}).get("step", 0) > 0,
                         300,
                         f"{p.name} to train",
                     )
@@ -157,14 +142,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             net = launcher.Testnet.load(directory) or net
             procs = _trainers(net)
             # Everyone trains on after the churn: two more outer rounds (H = 20) each.
-            at_done = {p.name: (_ask(p).get("training") or {}).get("step", 0) for p in procs}
+            at_done = {p.name: (ask(p).get("training") or {}).get("step", 0) for p in procs}
             stuck = []
             with console.status("every node training on after the churn"):
                 for p in procs:
                     try:
-                        _until(
+                        until(
                             lambda p=p: (
-                                (_ask(p).get("training") or {}).get("step", 0)
+                                (ask(p).get("training") or {}).get("step", 0)
                                 >= at_done[p.name] + 40
                             ),
                             240,
@@ -174,15 +159,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                         stuck.append(p.name)
             res["stuck"] = stuck
             with console.status("run documents converging"):
-                replicas = [_ask(p, "rundoc") for p in procs]
+                replicas = [ask(p, "rundoc") for p in procs]
                 snapshot: dict[str, list] = {}
                 for r in replicas:
                     for k, v in r.items():
                         snapshot[k] = max(snapshot.get(k, v), v)
                 t_snap = time.monotonic()
                 try:
-                    _until(
-                        lambda: all(_holds(_ask(p, "rundoc"), snapshot) for p in procs),
+                    until(
+                        lambda: all(holds(ask(p, "rundoc"), snapshot) for p in procs),
                         180,
                         "the run documents to converge",
                         interval=0.5,
@@ -192,7 +177,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     res["converged_s"] = None
                 res["rundoc_entries"] = len(snapshot)
             res["after_churn_s"] = time.time() - t_done
-            final = {p.name: _ask(p) for p in procs}
+            final = {p.name: ask(p) for p in procs}
             res["final"] = {
                 name: {
                     "peer_id": st.get("peer_id"),

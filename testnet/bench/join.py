@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from node.checkpoints.store import CheckpointStore
-from node.status.control import query_control
 from testnet import launcher
 from testnet.bench.report import machine, md_table, write_section
+from testnet.observe import ask, until
 
 MANIFEST = """\
 # written by testnet/bench/join.py
@@ -55,21 +55,8 @@ FULL = {"d_model": 256, "n_layers": 8, "every": 40}
 QUICK = {"d_model": 64, "n_layers": 2, "every": 20}
 
 
-def _ask(state_dir: str, cmd: str = "status") -> Any:
-    try:
-        return query_control(Path(state_dir), cmd)
-    except Exception:
-        return {}
 
 
-def _until(predicate, timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[str, Any]:
@@ -79,13 +66,13 @@ def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[
     try:
 
         def first_step() -> dict | None:
-            st = _ask(proc.state_dir)
+            st = ask(proc.state_dir)
             error = (st.get("training") or {}).get("error")
             if error:
                 raise RuntimeError(f"{name} failed to train: {error}")
             return st if "first step" in st.get("phase_times", {}) else None
 
-        st = _until(first_step, timeout, f"{name}'s first step")
+        st = until(first_step, timeout, f"{name}'s first step")
     finally:
         launcher.kill_node(net, name)
     t = st["phase_times"]
@@ -158,8 +145,8 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         try:
             node1 = next(p for p in net.procs if p.name == "node1")
             with console.status("training until the run document lists a checkpoint"):
-                _until(
-                    lambda: any("/ckpt/" in k for k in _ask(node1.state_dir, "rundoc")),
+                until(
+                    lambda: any("/ckpt/" in k for k in ask(node1.state_dir, "rundoc")),
                     600,
                     "a first checkpoint",
                 )

@@ -22,23 +22,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.status.control import query_control
 from testnet import launcher, netns
 from testnet.bench.report import machine, md_table, write_section
+from testnet.observe import ask, holds
 
 
 class BenchUnavailable(Exception):
     """This benchmark cannot run on this machine; the message says why."""
 
 
-def _ask(p: launcher.Proc, cmd: str = "status") -> Any:
-    try:
-        return query_control(Path(p.state_dir), cmd)
-    except Exception:
-        return {}
 
 
-def _until(predicate, timeout: float, what: str, interval: float = 0.05) -> float:
+def _seconds_until(predicate, timeout: float, what: str, interval: float = 0.05) -> float:
     """Poll until `predicate()` holds; returns the seconds it took (bounded)."""
     start = time.monotonic()
     while not predicate():
@@ -48,28 +43,26 @@ def _until(predicate, timeout: float, what: str, interval: float = 0.05) -> floa
     return time.monotonic() - start
 
 
-def _holds(replica: dict[str, list], snapshot: dict[str, list]) -> bool:
-    return all(k in replica and replica[k] >= v for k, v in snapshot.items())
 
 
 def _view(p, key: str) -> list:
     """The membership service's `peers` (heard live) or `members` (run document)."""
-    return (_ask(p).get("membership") or {}).get(key, [])
+    return (ask(p).get("membership") or {}).get(key, [])
 
 
 def _step(p: launcher.Proc) -> int:
-    return (_ask(p).get("training") or {}).get("step", 0)
+    return (ask(p).get("training") or {}).get("step", 0)
 
 
 def cycle(net: launcher.Testnet, split_s: float) -> dict[str, Any]:
     """One split of `split_s` seconds and its heal."""
     nodes = [p for p in net.procs if p.name != "bootstrap"]
-    ids = {p.name: _ask(p)["peer_id"] for p in nodes}
+    ids = {p.name: ask(p)["peer_id"] for p in nodes}
     before = {p.name: _step(p) for p in nodes}
     launcher.partition(net)
     time.sleep(split_s)  # the split lasts this long by design: a measured input, not a sync
     after = {p.name: _step(p) for p in nodes}
-    replicas = [_ask(p, "rundoc") for p in nodes]
+    replicas = [ask(p, "rundoc") for p in nodes]
     snapshot: dict[str, list] = {}
     for r in replicas:
         for k, v in r.items():
@@ -79,15 +72,15 @@ def cycle(net: launcher.Testnet, split_s: float) -> dict[str, Any]:
     healed = time.monotonic()
     for p in nodes:
         others = {ids[q.name] for q in nodes if q is not p}
-        _until(
+        _seconds_until(
             lambda p=p, o=others: {x["peer_id"] for x in _view(p, "peers")} >= o,
             120,
             f"{p.name} to see every peer",
         )
     live_s = time.monotonic() - healed
     for p in nodes:
-        _until(
-            lambda p=p: _holds(_ask(p, "rundoc"), snapshot),
+        _seconds_until(
+            lambda p=p: holds(ask(p, "rundoc"), snapshot),
             120,
             f"{p.name}'s run document to converge",
         )
@@ -129,7 +122,7 @@ def main(quick: bool = False, doc: Path | None = None) -> str:
             procs = [p for p in net.procs if p.name != "bootstrap"]
             with console.status("waiting for every node to train and see every peer"):
                 for p in procs:
-                    _until(
+                    _seconds_until(
                         lambda p=p: _step(p) > 0 and len(_view(p, "members")) == nodes - 1,
                         120,
                         f"{p.name} to train",
