@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import time
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -105,18 +106,22 @@ def up(
     if detach:
         err.print("stop it with `node testnet down`")
         return
+    # Ctrl-C sets a flag instead of raising KeyboardInterrupt wherever the main thread is:
+    # raised inside a status query or the table's rendering (likelier the busier the
+    # machine) it could leave the launcher hung on exit (seen in full test runs).
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         with Live(console=out, refresh_per_second=2, transient=False) as live:
-            while True:
+            while not stop.is_set():
                 net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
                 live.update(testnet_table(launcher.collect_status(net),
                                           f"testnet {net.run_id} (Ctrl-C stops it)",
                                           width=out.width,
                                           churn=churn.summary(churn.load_state(Path(net.dir)))))
-                time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
+                stop.wait(1.0)
     finally:
+        signal.signal(signal.SIGINT, previous)
         churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
         err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
