@@ -88,7 +88,7 @@ class Driver:
                 down = {e["victim"] for e in events if e.get("back_s") is None}
                 kill = self.schedule[nxt]
                 if len(down) < limit and kill.victim not in down:
-                    events.append(self._kill(kill, now))
+                    events.append(self._kill(kill, start))
                     nxt += 1
                     changed = True
             if changed:
@@ -104,8 +104,12 @@ class Driver:
             self.state["stopped"] = True
         self.save()
 
-    def _kill(self, kill: Kill, now: float) -> dict[str, Any]:
-        """SIGKILL the victim's process group; note what it held just before."""
+    def _kill(self, kill: Kill, start: float) -> dict[str, Any]:
+        """SIGKILL the victim's process group; note what it held just before.
+
+        `killed_s` is read after the kill, on the same clock as `back_s`: a time taken at the
+        top of the tick could precede a `back_s` noted later in that same tick.
+        """
         from node.checkpoints.store import CheckpointStore
         from node.status.control import query_control
 
@@ -126,7 +130,7 @@ class Driver:
             event["ckpt_step"] = held[-1][1].step if held else None
         with contextlib.suppress(ProcessLookupError):
             launcher.kill_node(net, kill.victim, signal.SIGKILL)
-        event["killed_s"] = round(now, 3)
+        event["killed_s"] = round(time.monotonic() - start, 3)
         return event
 
 
