@@ -309,6 +309,7 @@ class Node:
             "run": self.config.run_id,
             "run_name": run.manifest.run.name if run else None,
             "addrs": substrate.addrs(),
+            "announce": self.config.announce,
             "device": ctx.device if run else self.config.device,
             "attack": self.config.attack,
             "p2p": {

@@ -84,10 +84,9 @@ class MdnsService:
         def on_change(zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
             if state_change.name != "Added":
                 return
-            try:  # in zeroconf's thread; a full channel drops (bounded by MAX_FOUND)
+            # in zeroconf's thread; a full channel drops (bounded by MAX_FOUND)
+            with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(_offer, send, name, trio_token=token)
-            except trio.RunFinishedError:
-                pass
 
         try:
             self._zc = await trio.to_thread.run_sync(lambda: Zeroconf(
