@@ -50,10 +50,6 @@ class Ticket:
         return [f"{a}/p2p/{self.peer_id}" for a in self.addrs]
 
 
-def looks_like_ticket(text: str) -> bool:
-    return text.strip().startswith("pt") and not text.strip().startswith("Qm")
-
-
 def _check_addr(addr: object) -> str:
     if not isinstance(addr, str) or not 0 < len(addr) <= MAX_ADDR_CHARS:
         raise TicketError(f"an address must be 1 to {MAX_ADDR_CHARS} characters")
