@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from cli import checks
-from cli.common import App, fail, out, run_async
+from cli import checks, config_cmd
+from cli.common import App, err, fail, out, run_async
 from node import state_lock
 from node.config import NodeConfig, default_state_dir
 from node.errors import NodeError
@@ -29,12 +29,55 @@ app.add_typer(run_app, name="run")
 
 
 StateDir = Annotated[Path | None, typer.Option(
-    "--state-dir", help="Identity, logs and run data. Default: the user data dir.")]
+    "--state-dir", help="Identity, logs and run data. Default: the user data dir.",
+    show_default=False)]
 Bootstrap = Annotated[list[str] | None, typer.Option(
-    "--bootstrap", "-b", help="Multiaddr of a peer to start from (repeatable).")]
+    "--bootstrap", "-b", help="Multiaddr of a peer to start from (repeatable). Default: "
+    "$PEERTRAIN_BOOTSTRAP, the config file, remembered peers, mDNS.", show_default=False)]
 Listen = Annotated[list[str] | None, typer.Option(
-    "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
-LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+    "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.",
+    show_default=False)]
+Announce = Annotated[list[str] | None, typer.Option(
+    "--announce", help="Address others should dial, e.g. a public IP or port forward: "
+    "/ip4/203.0.113.7/tcp/4101 (repeatable). Advertised before the listen addresses.",
+    show_default=False)]
+Mdns = Annotated[bool | None, typer.Option(
+    "--mdns/--no-mdns", help="Advertise and find peers on the local network. Default: on.",
+    show_default=False)]
+LogLevel = Annotated[str | None, typer.Option(
+    "--log-level", help="debug, info, warning or error. Default: info.", show_default=False)]
+Config = config_cmd.ConfigOpt
+BOOTSTRAP_PORT = 4101  # `node bootstrap`'s default: a fixed port to forward and hand out
+BOOTSTRAP_LISTEN = f"/ip4/0.0.0.0/tcp/{BOOTSTRAP_PORT}"
+
+
+def announce_addrs(values: list[str]) -> list[str]:
+    """Each --announce is /ip4|ip6|dns4|dns6/HOST/tcp/PORT, without /p2p/ (we add our id)."""
+    import multiaddr
+
+    for a in values:
+        try:
+            names = [p.name for p in multiaddr.Multiaddr(a).protocols()]
+        except Exception:
+            names = []
+        if len(names) != 2 or names[0] not in ("ip4", "ip6", "dns4", "dns6", "dns") or (
+                names[1] != "tcp"):
+            raise fail(f"--announce {a}: expected /ip4/ADDR/tcp/PORT (or ip6, dns4, dns6), "
+                       "e.g. /ip4/203.0.113.7/tcp/4101", 2)
+    return list(values)
+
+
+def parse_peer_addrs(values: list[str], source: str) -> list[str]:
+    """Bootstrap addresses must name their peer; a typo is an error now, not a log line."""
+    from p2p.host import DialError, parse_peer_addr
+
+    for a in values:
+        try:
+            parse_peer_addr(a)
+        except DialError as e:
+            flag = "--bootstrap" if source == "--bootstrap" else f"bootstrap ({source})"
+            raise fail(f"{flag} {a}: {e.reason}", 2) from None
+    return values
 
 
 def lock_state_dir(state_dir: Path | None) -> Path:
@@ -53,72 +96,114 @@ _held_locks: list[state_lock.StateLock] = []
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Argument(help="The run to join (from `node run create`).")],
+    run_id: Annotated[str, typer.Argument(
+        help="The run to join (from `node run create`), or a ticket (`node run ticket`).",
+        show_default=False)],
     bootstrap: Bootstrap = None,
     state_dir: StateDir = None,
     listen: Listen = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    join_timeout: Annotated[float, typer.Option(help="Seconds to look for the run.")] = 30.0,
-    no_train: Annotated[bool, typer.Option("--no-train", help="Join without training.")] = False,
+    announce: Announce = None,
+    mdns: Mdns = None,
+    device: Annotated[str | None, typer.Option(
+        help="auto, cpu, cuda or cuda:N. Default: auto.", show_default=False)] = None,
+    join_timeout: Annotated[float | None, typer.Option(
+        help="Seconds to look for the run. Default: 30.", show_default=False)] = None,
+    no_train: Annotated[bool | None, typer.Option(
+        "--no-train", help="Join without training.", show_default=False)] = None,
     data: Annotated[list[Path] | None, typer.Option(
-        "--data", help="Your own text/JSONL files or directories to train on (repeatable).")]
-    = None,
+        "--data", help="Your own text/JSONL files or directories to train on (repeatable).",
+        show_default=False)] = None,
     attack: Annotated[str | None, typer.Option(
         help="Testnets only: act as a sybil sending a poisoned model (label-flip or backdoor)"
-             " to test a run's defences. See docs/robustness.md.")] = None,
+             " to test a run's defences. See docs/robustness.md.", show_default=False)] = None,
     neighbour: Annotated[list[str] | None, typer.Option(
         "--neighbour", help="Testnets only: exchange with exactly this peer id every round"
-        " (repeatable; each must name us too), not the run's pairing.")] = None,
-    log_level: LogLevel = "info",
+        " (repeatable; each must name us too), not the run's pairing.",
+        show_default=False)] = None,
+    log_level: LogLevel = None,
+    config: Config = None,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
     from node.daemon import run_node
     from protocols import manifest as mf
+    from protocols import ticket as tk
 
+    ticket_addrs: list[str] = []
+    if run_id.strip().startswith("pt"):
+        try:
+            ticket = tk.decode(run_id)
+        except tk.TicketError as e:
+            raise fail(f"not a ticket: {e}", 2) from None
+        run_id, ticket_addrs = ticket.run_id, ticket.peer_addrs()
     try:
         run_id = mf.validate_run_id(run_id)
     except mf.ManifestError as e:
         raise fail(str(e), 2) from None
-    device = checks.device(device)
+    v = config_cmd.effective("join", config, {
+        "bootstrap": bootstrap, "state_dir": state_dir, "listen": listen, "announce": announce,
+        "mdns": mdns, "device": device, "join_timeout": join_timeout, "no_train": no_train,
+        "data": data, "attack": attack, "neighbour": neighbour, "log_level": log_level,
+    }, {"bootstrap": [], "state_dir": None, "listen": None, "announce": [], "mdns": True,
+        "device": "auto", "join_timeout": 30.0, "no_train": False, "data": [], "attack": None,
+        "neighbour": [], "log_level": "info"})
+    if ticket_addrs:
+        v["bootstrap_from"] = "--bootstrap and the ticket" if bootstrap else "the ticket"
+        v["bootstrap"] = [*(bootstrap or []), *ticket_addrs]
+    device = checks.device(v["device"])
+    attack = v["attack"]
     if attack not in (None, "label-flip", "backdoor"):
         raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
-    checks.positive_seconds("--join-timeout", join_timeout)
-    listen = checks.listen_addrs(listen)
-    log_level = checks.log_level(log_level)
-    files = [str(p) for p in data or []]
+    join_timeout = checks.positive_seconds("--join-timeout", v["join_timeout"])
+    listen = checks.listen_addrs(v["listen"])
+    log_level = checks.log_level(v["log_level"])
+    boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
+    files = [str(p) for p in v["data"]]
     if files:
-        if no_train:
+        if v["no_train"]:
             raise fail("--data trains on your files; it cannot go with --no-train", 2)
         try:
             check_text_files(files)
         except NodeError as e:
             raise fail(str(e), e.exit_code) from None
-    state_dir = lock_state_dir(state_dir)
+    state_dir = lock_state_dir(Path(v["state_dir"]) if v["state_dir"] else None)
     setup_logging(state_dir, log_level)
-    config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
-                        listen=listen, device=device, join_timeout_s=join_timeout,
-                        train=not no_train, data=files, attack=attack,
-                        neighbours=list(neighbour or []))
-    run_async(lambda: run_node(config))
+    node_config = NodeConfig(
+        state_dir=state_dir, run_id=run_id, bootstrap=boot, bootstrap_from=v["bootstrap_from"],
+        listen=listen, announce=announce_addrs(v["announce"]), mdns=v["mdns"], device=device,
+        join_timeout_s=join_timeout, train=not v["no_train"], data=files, attack=attack,
+        neighbours=list(v["neighbour"]))
+    run_async(lambda: run_node(node_config))
 
 
 @app.command("bootstrap")
 def bootstrap_cmd(
     state_dir: StateDir = None,
-    listen: Listen = None,
+    listen: Annotated[list[str] | None, typer.Option(
+        "--listen", help=f"Multiaddr to listen on (repeatable). Default {BOOTSTRAP_LISTEN}: "
+        "a fixed port, to open or forward and hand out.", show_default=False)] = None,
+    announce: Announce = None,
     bootstrap: Bootstrap = None,
-    log_level: LogLevel = "info",
+    mdns: Mdns = None,
+    log_level: LogLevel = None,
+    config: Config = None,
 ) -> None:
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
     from node.daemon import run_node
 
-    listen = checks.listen_addrs(listen)
-    log_level = checks.log_level(log_level)
-    state_dir = lock_state_dir(state_dir)
+    v = config_cmd.effective("bootstrap", config, {
+        "state_dir": state_dir, "listen": listen, "announce": announce, "bootstrap": bootstrap,
+        "mdns": mdns, "log_level": log_level,
+    }, {"state_dir": None, "listen": [BOOTSTRAP_LISTEN], "announce": [], "bootstrap": [],
+        "mdns": True, "log_level": "info"})
+    listen = checks.listen_addrs(v["listen"])
+    log_level = checks.log_level(v["log_level"])
+    boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
+    state_dir = lock_state_dir(Path(v["state_dir"]) if v["state_dir"] else None)
     setup_logging(state_dir, log_level)
-    config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=list(bootstrap or []),
-                        listen=listen)
-    run_async(lambda: run_node(config))
+    node_config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=boot,
+                             bootstrap_from=v["bootstrap_from"], listen=listen,
+                             announce=announce_addrs(v["announce"]), mdns=v["mdns"])
+    run_async(lambda: run_node(node_config))
 
 
 @run_app.command("create")
@@ -137,6 +222,37 @@ def run_create(
     except OSError as e:
         raise fail(f"cannot use state directory {state_dir}: {e.strerror or e}", 6) from None
     print(run_id)
+
+
+@run_app.command("ticket")
+def run_ticket(
+    run_id: Annotated[str, typer.Argument(help="The run to hand out.", show_default=False)],
+    state_dir: StateDir = None,
+) -> None:
+    """Print a join ticket: the run-id and this node's reachable addresses, in one string
+    that `node join` takes in place of the run-id (the local node must be running)."""
+    from node.discovery.addrs import shareable
+    from protocols import manifest as mf
+    from protocols import ticket as tk
+
+    try:
+        run_id = mf.validate_run_id(run_id)
+    except mf.ManifestError as e:
+        raise fail(str(e), 2) from None
+    state_dir = state_dir or default_state_dir()
+    try:
+        st = query_control(state_dir)
+    except ControlUnavailable as e:
+        raise fail(f"{e}; a ticket names a running node: start `node bootstrap` or "
+                   "`node join` there first", 1) from None
+    addrs = shareable(list(st.get("addrs") or []), list(st.get("announce") or []))
+    if not addrs:
+        raise fail(f"the node in {state_dir} reports no address to hand out", 1)
+    served = (st.get("manifests") or {}).get("runs_served") or []
+    if run_id not in served and st.get("run") != run_id:
+        err.print(f"warning: the node in {state_dir} does not hold run {run_id}: joiners "
+                  "will reach it but must find the run's manifest elsewhere", highlight=False)
+    print(tk.encode(run_id, st["peer_id"], addrs))
 
 
 @run_app.command("show")
@@ -175,3 +291,4 @@ from cli import bench_cmd, ckpt_cmd, testnet_cmd  # noqa: E402  (sub-commands)
 app.add_typer(testnet_cmd.app, name="testnet")
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(ckpt_cmd.app, name="ckpt")
+app.add_typer(config_cmd.app, name="config")

@@ -21,7 +21,17 @@ class NodeConfig:
     # None: a bootstrap node, which serves the runs in its store but trains nothing.
     run_id: str | None = None
     bootstrap: list[str] = field(default_factory=list)
+    # Where `bootstrap` came from, named in logs and errors: "--bootstrap", "the ticket",
+    # "PEERTRAIN_BOOTSTRAP", "the config file FILE".
+    bootstrap_from: str = "--bootstrap"
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    # Addresses to advertise before the listen addresses (a public IP, a port forward);
+    # without /p2p/: the node appends its id.
+    announce: list[str] = field(default_factory=list)
+    # Advertise on, and look for peers through, mDNS on the listen interfaces.
+    mdns: bool = True
+    # How long a joiner with no other bootstrap source waits for a first mDNS answer.
+    mdns_wait_s: float = 2.0
     device: str = "auto"
     heartbeat_s: float = 1.0
     # A peer silent this long has left our view; a SIGKILLed peer disappears within it.

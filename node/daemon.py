@@ -27,6 +27,10 @@ import trio
 from node.checkpoints.exchange import CheckpointServer
 from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
+from node.discovery import remembered
+from node.discovery.mdns import MdnsService
+from node.discovery.remembered import RememberPeers
+from node.discovery.sources import NoBootstrapPeer, Source, connect_first, how_to_give_one
 from node.errors import BootstrapUnreachable, NodeError, StateDirError
 from node.files import atomic_write
 from node.guard.service import GuardService, classify
@@ -42,7 +46,7 @@ from node.service import NodeContext, RunContext, Service
 from node.status.control import ControlService
 from node.training.data_check import check_training_data
 from p2p.gate import Gate
-from p2p.host import DialError, Substrate
+from p2p.host import Substrate
 from p2p.identity import IdentityError, load_or_create_identity
 from p2p.pubsub import PacedPublisher
 from protocols import keys
@@ -72,20 +76,24 @@ class Node:
         signer = keys.Signer(key_pair.private_key.to_bytes()[:32])
         gate = Gate(config.budget, config.scoring, classify=classify)
         substrate = Substrate(key_pair, config.listen, dht_protocol_validators=VALIDATORS,
-                              gate=gate)
+                              gate=gate, announce=config.announce)
         self.ctx = NodeContext(
             config=config, substrate=substrate, signer=signer,
             publisher=PacedPublisher(substrate), runs=RunStore(config.state_dir),
             checkpoints=CheckpointStore(config.state_dir),
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
+        self.redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses)
+        self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
+        self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
             GuardService(gate),
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
-            Redialer(substrate, config.bootstrap, self.ctx.membership.addresses),
+            self.redialer,
+            *([self.mdns] if self.mdns else []),
         ]
 
     @property
@@ -135,6 +143,7 @@ class Node:
             await trio.to_thread.run_sync(check_training_data, manifest, config.data)
         ctx.runs.put(mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
+        await self._dial_manifest_bootstrap(list(manifest.network.bootstrap))
         await self.manifests.provide(ctx, run_id)
         from node.training.rounds import TrainingStats
 
@@ -147,6 +156,7 @@ class Node:
             HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s),
             rundoc,
             PeerRecordService(config.reprovide_s),
+            RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
         # torch takes a second or more to import: resolve the device after we are visible.
         ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
@@ -205,30 +215,78 @@ class Node:
             {"peer_id": self.peer_id, "addrs": self.ctx.substrate.addrs(), "pid": os.getpid()}
         ).encode())
 
+    def _bootstrap_sources(self) -> list[Source]:
+        """In order: the CLI's (flag, ticket, environment or config file), remembered peers,
+        the manifest's when held here, mDNS (node/discovery/sources.py)."""
+        config = self.config
+        sources = [Source(config.bootstrap_from, list(config.bootstrap))]
+        if config.run_id is None:
+            return sources  # a bootstrap node is an entry point: it needs no other
+        known = remembered.addresses(remembered.load(config.state_dir, config.run_id))
+        sources.append(Source("remembered peers", known))
+        if (local := self.ctx.runs.get(config.run_id)) is not None:
+            manifest = mf.parse_canonical(local, expected_run_id=config.run_id)
+            sources.append(Source("the manifest's network.bootstrap",
+                                  list(manifest.network.bootstrap)))
+        if self.mdns is not None:
+            mdns = self.mdns
+            sources.append(Source("mDNS", lookup=lambda: mdns.wait_for_peers(config.mdns_wait_s)))
+        return sources
+
     async def _connect_bootstrap(self) -> None:
-        bootstrap, substrate = self.config.bootstrap, self.ctx.substrate
-        if not bootstrap:
-            return
+        config, substrate = self.config, self.ctx.substrate
+        sources = self._bootstrap_sources()
+        named = [s for s in sources if s.addrs]
+        if not named and (config.run_id is None or (self.mdns is None
+                                                    and self.ctx.runs.get(config.run_id))):
+            return  # an entry point, or the run's first node: others will dial us
         self.ctx.phases.enter("connecting")
-        failures: list[str] = []
+        outcome = await connect_first(substrate, sources)
+        if outcome.reached:
+            self.bootstrap_reached = outcome.reached
+            assert substrate.dht is not None
+            await substrate.dht.bootstrap()
+            return
+        run_id = config.run_id
+        if run_id is not None and self.ctx.runs.get(run_id) is not None and (
+                not config.bootstrap):
+            log.warning("no bootstrap peer reached; this node holds run %s and starts alone "
+                        "(peers that know it will dial in)", run_id)
+            return
+        if not outcome.failures:
+            mdns = (f"; no peer answered on mDNS within {config.mdns_wait_s:g} s"
+                    if self.mdns is not None else "")
+            raise NoBootstrapPeer(f"no bootstrap peer is known for run {run_id}{mdns}: "
+                                  + how_to_give_one(run_id))
+        raise BootstrapUnreachable(
+            "could not reach any bootstrap peer:\n  " + "\n  ".join(outcome.failures)
+            + "\nCheck the address (and that the peer is up), or pass another --bootstrap.")
 
-        async def dial(addr: str) -> None:
-            try:
-                await substrate.connect(addr)
-            except DialError as e:
-                failures.append(str(e))
+    async def _dial_manifest_bootstrap(self, addrs: list[str]) -> None:
+        """The run's own entry points (manifest `network.bootstrap`), once the manifest is
+        known: dialed now where not yet connected, then kept by the redialer."""
+        if not addrs:
+            return
+        self.redialer.add_bootstrap(addrs)
+        connected = {p.to_base58() for p in self.ctx.substrate.connected_peers()}
+        todo = [a for a in addrs if a.rsplit("/p2p/", 1)[-1] not in connected]
+        if todo:
+            outcome = await connect_first(self.ctx.substrate,
+                                          [Source("the manifest's network.bootstrap", todo)],
+                                          dial_timeout_s=5.0)
+            if not outcome.reached:
+                log.warning("none of the manifest's bootstrap peers answered; the redialer "
+                            "keeps trying")
 
-        async with trio.open_nursery() as nursery:
-            for addr in bootstrap:
-                nursery.start_soon(dial, addr)
-        if len(failures) == len(bootstrap):
-            raise BootstrapUnreachable(
-                "could not reach any bootstrap peer:\n  " + "\n  ".join(failures)
-                + "\nCheck the address (and that the peer is up), or pass another --bootstrap.")
-        for failure in failures:
-            log.warning("bootstrap: %s", failure)
-        assert substrate.dht is not None
-        await substrate.dht.bootstrap()
+    def _peers_to_remember(self) -> dict[str, list[str]]:
+        """The run's members (run document and heartbeats) and the bootstrap peers that
+        answered: where the next `node join <run-id>` of this state directory starts."""
+        out: dict[str, list[str]] = {}
+        for addr in self.bootstrap_reached:
+            peer = addr.rsplit("/p2p/", 1)[-1]
+            out.setdefault(peer, []).append(addr)
+        out.update(self.ctx.membership.addresses())
+        return out
 
     def _rundoc_stamps(self) -> dict[str, list]:
         return stamps(self.ctx.run.document) if self.ctx.run else {}
@@ -251,6 +309,7 @@ class Node:
             "run": self.config.run_id,
             "run_name": run.manifest.run.name if run else None,
             "addrs": substrate.addrs(),
+            "announce": self.config.announce,
             "device": ctx.device if run else self.config.device,
             "attack": self.config.attack,
             "p2p": {

@@ -111,9 +111,13 @@ class Substrate:
         gossip: GossipSettings | None = None,
         max_restarts: int = 5,
         gate: Gate | None = None,
+        announce: Sequence[str] = (),
     ) -> None:
         self.key_pair = key_pair
         self.listen = [multiaddr.Multiaddr(a) for a in listen]
+        # Advertised first (identify, heartbeats, tickets), then the listen addresses: a
+        # node behind a port forward is dialed there from outside, on its LAN address inside.
+        self.announce = [multiaddr.Multiaddr(a) for a in announce]
         self.gossip_settings = gossip or GossipSettings()
         self.max_restarts = max_restarts
         self._validators = dict(dht_protocol_validators or {})
@@ -165,6 +169,7 @@ class Substrate:
                                              noise_privkey=create_x25519_key_pair().private_key)},
             muxer_opt={YAMUX_ID: Yamux},
             listen_addrs=self.listen,
+            addrs_factory=self._announced_first if self.announce else None,
         )
         g = self.gossip_settings
         router = GossipSub(
@@ -200,6 +205,9 @@ class Substrate:
             self.ready.set()
             task_status.started()
             await trio.sleep(math.inf)  # cancelled by the node's shutdown
+
+    def _announced_first(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        return [*self.announce, *(c for c in candidates if c not in self.announce)]
 
     # -- conveniences ---------------------------------------------------------------
 

@@ -66,12 +66,7 @@ class Redialer:
     ) -> None:
         self.substrate = substrate
         self.bootstrap: dict[str, list[str]] = {}
-        for addr in bootstrap:
-            try:
-                peer = parse_peer_addr(addr).peer_id.to_base58()
-            except DialError:
-                continue  # reported by the first connect already
-            self.bootstrap.setdefault(peer, []).append(addr)
+        self.add_bootstrap(bootstrap)
         self.members = members
         self.interval_s, self.probe_s = interval_s, probe_s
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
@@ -83,6 +78,16 @@ class Redialer:
         self._next_try: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._last_probe = float("-inf")  # never probed: the first pass probes
+
+    def add_bootstrap(self, addrs: list[str]) -> None:
+        """Keep these peers connected too (the run manifest's bootstrap, once known)."""
+        for addr in addrs:
+            try:
+                peer = parse_peer_addr(addr).peer_id.to_base58()
+            except DialError:
+                continue  # reported by the first connect already
+            if addr not in self.bootstrap.get(peer, []):
+                self.bootstrap.setdefault(peer, []).append(addr)
 
     async def run(self, ctx: object = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
