@@ -35,6 +35,10 @@ Bootstrap = Annotated[list[str] | None, typer.Option(
 Listen = Annotated[list[str] | None, typer.Option(
     "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+Metrics = Annotated[str | None, typer.Option(
+    "--metrics", metavar="HOST:PORT", help="Serve Prometheus /metrics and the status page "
+    "here. Default 127.0.0.1:9470 (a free port if taken; the URL is in metrics.json).")]
+NoMetrics = Annotated[bool, typer.Option("--no-metrics", help="Serve no metrics port.")]
 
 
 def lock_state_dir(state_dir: Path | None) -> Path:
@@ -70,6 +74,8 @@ def join(
         "--neighbour", help="Testnets only: exchange with exactly this peer id every round"
         " (repeatable; each must name us too), not the run's pairing.")] = None,
     log_level: LogLevel = "info",
+    metrics: Metrics = None,
+    no_metrics: NoMetrics = False,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
     from node.daemon import run_node
@@ -85,6 +91,7 @@ def join(
     checks.positive_seconds("--join-timeout", join_timeout)
     listen = checks.listen_addrs(listen)
     log_level = checks.log_level(log_level)
+    metrics_at = checks.metrics_addr(metrics, no_metrics)
     files = [str(p) for p in data or []]
     if files:
         if no_train:
@@ -98,7 +105,7 @@ def join(
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=listen, device=device, join_timeout_s=join_timeout,
                         train=not no_train, data=files, attack=attack,
-                        neighbours=list(neighbour or []))
+                        neighbours=list(neighbour or []), **metrics_at)
     run_async(lambda: run_node(config))
 
 
@@ -108,16 +115,19 @@ def bootstrap_cmd(
     listen: Listen = None,
     bootstrap: Bootstrap = None,
     log_level: LogLevel = "info",
+    metrics: Metrics = None,
+    no_metrics: NoMetrics = False,
 ) -> None:
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
     from node.daemon import run_node
 
     listen = checks.listen_addrs(listen)
     log_level = checks.log_level(log_level)
+    metrics_at = checks.metrics_addr(metrics, no_metrics)
     state_dir = lock_state_dir(state_dir)
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=list(bootstrap or []),
-                        listen=listen)
+                        listen=listen, **metrics_at)
     run_async(lambda: run_node(config))
 
 
