@@ -97,6 +97,7 @@ class HttpServer:
                         code = 431
                     await self._send(stream, conn, Response(code, f"{e}\n".encode()),
                                      close=True)
+                    await self._linger(stream)
                     return
                 if request is None:
                     return  # the client closed between requests
@@ -109,6 +110,20 @@ class HttpServer:
                 conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return
+
+    async def _linger(self, stream: trio.abc.Stream) -> None:
+        """Closing with unread bytes in the socket makes the kernel send a reset, which can
+        destroy the error response before the client reads it: say we are done, then read
+        and drop what the client still sends, bounded in bytes and time."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                                 AttributeError), trio.move_on_after(1):
+            await stream.send_eof()  # type: ignore[attr-defined]
+            drained = 0
+            while drained < 16 * self.max_head:
+                chunk = await stream.receive_some(self.max_head)
+                if not chunk:
+                    break
+                drained += len(chunk)
 
     async def _next_request(self, stream: trio.abc.Stream,
                             conn: h11.Connection) -> h11.Request | None:

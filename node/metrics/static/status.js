@@ -91,7 +91,7 @@ function chart(history) {
   svg.replaceChildren();
   const pts = history.filter((h) => h[2] !== null || h[3] !== null);
   $("chart-note").textContent = pts.length
-    ? pts.length + " points, steps " + pts[0][1] + "–" + pts[pts.length - 1][1]
+    ? "by step · " + pts.length + " points, steps " + pts[0][1] + "–" + pts[pts.length - 1][1]
     : "no training step yet";
   if (!pts.length) return;
   const losses = pts.flatMap((h) => [h[2], h[3]]).filter((v) => v !== null && isFinite(v));
@@ -110,7 +110,6 @@ function chart(history) {
     const s = Math.round(s0 + ((s1 - s0) * i) / 4);
     svg.append(svgEl("text", { x: x(s), y: H - 10, "text-anchor": "middle" }, s));
   }
-  svg.append(svgEl("text", { x: W - R, y: H - 10, "text-anchor": "end" }, "step"));
   const curve = (idx, color, id) => {
     const p = pts.filter((h) => h[idx] !== null && isFinite(h[idx]));
     if (!p.length) return;
