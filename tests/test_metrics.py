@@ -4,6 +4,7 @@ history's bound, the progress line, and `--metrics` errors from the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -34,10 +35,8 @@ async def _exchange(port: int, data: bytes) -> bytes:
     """Send raw bytes, read until the server closes (or 2 s of silence)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        try:
+        with contextlib.suppress(trio.BrokenResourceError):  # it may answer before all is sent
             await stream.send_all(data)
-        except trio.BrokenResourceError:
-            pass
         reply = b""
         with trio.move_on_after(2):
             while chunk := await stream.receive_some(65536):
@@ -247,3 +246,38 @@ def test_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
 def test_metrics_flag_errors(tmp_path, args: list[str], message: str):
     r = run_cli("bootstrap", "--state-dir", str(tmp_path / "s"), *args)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {message}"), r.stderr
+
+
+def test_dashboard_and_docs_name_only_metrics_the_node_exports():
+    """docs/grafana-dashboard.json and docs/operator.md's table stay in step with the
+    collector: every name they use is one the node exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(_status, lambda: {
+        "peers_by_path": {"direct": 1}, "checkpoint_bytes": 1, "checkpoints_held": 1,
+        "http_requests": {"200": 1}}))
+    st = _status()
+    st["checkpoints"]["download"] = {"done": 1, "total": 2}
+    st["checkpoint_server"] = {"served": 1, "not_held": 0}
+    registry.register(StatusCollector(lambda: {**st, "role": "x"}))
+    exported = set()
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        exported |= {s.name for s in family.samples}
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    exprs = [t["expr"] for p in json.loads((docs / "grafana-dashboard.json").read_text())
+             ["panels"] for t in p["targets"]]
+    used = set(re.findall(r"peertrain_\w+", " ".join(exprs)))
+    assert used and used <= exported, sorted(used - exported)
+    section = (docs / "operator.md").read_text().split("### Metrics", 1)[1].split("###", 1)[0]
+    first_cells = [line.split("|")[1] for line in section.splitlines()
+                   if line.startswith("| `")]
+    documented = {"peertrain_" + n for cell in first_cells for n in re.findall(r"`(\w+)", cell)}
+    families = {re.sub(r"_(total|bucket|count|sum|info)$", "", n) for n in exported}
+    assert {re.sub(r"_(total|info)$", "", n) for n in documented} <= families | {
+        re.sub(r"_total$", "", n) for n in exported}
+    assert families <= {re.sub(r"_(total|info)$", "", n) for n in documented} | {
+        "peertrain_node"}, sorted(families - {re.sub(r"_(total|info)$", "", n)
+                                              for n in documented})
