@@ -84,6 +84,7 @@ class HttpServer:
                 trio.move_on_after(1):
             await stream.send_all(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
                                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await self._linger(stream)
 
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
