@@ -77,3 +77,32 @@ def manifest_file(path: Path):  # -> protocols.manifest.Manifest
         raise fail(str(e), 2) from None
     except OSError as e:
         raise fail(f"cannot read {path}: {e.strerror or e}", 2) from None
+
+
+def metrics_addr(value: str | None, off: bool) -> dict:
+    """--metrics HOST:PORT / --no-metrics as NodeConfig fields. An address asked for must
+    be free now (exit 2 here, before anything starts); the default falls back to a free
+    port when taken (node/metrics/service.py)."""
+    import socket
+
+    from node.metrics.service import DEFAULT_HOST, DEFAULT_PORT, parse_address
+
+    if off:
+        if value is not None:
+            raise fail("--metrics and --no-metrics: pass one of them", 2)
+        return {"metrics": None, "metrics_fallback": False}
+    if value is None:
+        return {"metrics": (DEFAULT_HOST, DEFAULT_PORT), "metrics_fallback": True}
+    try:
+        host, port = parse_address(value)
+    except ValueError as e:
+        raise fail(f"--metrics {value}: {e}", 2) from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+    except OSError as e:
+        raise fail(f"--metrics {value}: cannot listen there: {e.strerror or e}", 2) from None
+    return {"metrics": (host, port), "metrics_fallback": False}

@@ -46,6 +46,12 @@ Mdns = Annotated[bool | None, typer.Option(
     show_default=False)]
 LogLevel = Annotated[str | None, typer.Option(
     "--log-level", help="debug, info, warning or error. Default: info.", show_default=False)]
+Metrics = Annotated[str | None, typer.Option(
+    "--metrics", metavar="HOST:PORT", help="Serve Prometheus /metrics and the status page "
+    "here. Default 127.0.0.1:9470 (a free port if taken; the URL is in metrics.json).",
+    show_default=False)]
+NoMetrics = Annotated[bool | None, typer.Option(
+    "--no-metrics", help="Serve no metrics port.", show_default=False)]
 Config = config_cmd.ConfigOpt
 BOOTSTRAP_PORT = 4101  # `node bootstrap`'s default: a fixed port to forward and hand out
 BOOTSTRAP_LISTEN = f"/ip4/0.0.0.0/tcp/{BOOTSTRAP_PORT}"
@@ -121,6 +127,8 @@ def join(
         " (repeatable; each must name us too), not the run's pairing.",
         show_default=False)] = None,
     log_level: LogLevel = None,
+    metrics: Metrics = None,
+    no_metrics: NoMetrics = None,
     config: Config = None,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -143,9 +151,10 @@ def join(
         "bootstrap": bootstrap, "state_dir": state_dir, "listen": listen, "announce": announce,
         "mdns": mdns, "device": device, "join_timeout": join_timeout, "no_train": no_train,
         "data": data, "attack": attack, "neighbour": neighbour, "log_level": log_level,
+        "metrics": metrics, "no_metrics": no_metrics,
     }, {"bootstrap": [], "state_dir": None, "listen": None, "announce": [], "mdns": True,
         "device": "auto", "join_timeout": 30.0, "no_train": False, "data": [], "attack": None,
-        "neighbour": [], "log_level": "info"})
+        "neighbour": [], "log_level": "info", "metrics": None, "no_metrics": False})
     if ticket_addrs:
         v["bootstrap_from"] = "--bootstrap and the ticket" if bootstrap else "the ticket"
         v["bootstrap"] = [*(bootstrap or []), *ticket_addrs]
@@ -157,6 +166,7 @@ def join(
     listen = checks.listen_addrs(v["listen"])
     log_level = checks.log_level(v["log_level"])
     boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
+    metrics_at = checks.metrics_addr(v["metrics"], v["no_metrics"])
     files = [str(p) for p in v["data"]]
     if files:
         if v["no_train"]:
@@ -171,7 +181,7 @@ def join(
         state_dir=state_dir, run_id=run_id, bootstrap=boot, bootstrap_from=v["bootstrap_from"],
         listen=listen, announce=announce_addrs(v["announce"]), mdns=v["mdns"], device=device,
         join_timeout_s=join_timeout, train=not v["no_train"], data=files, attack=attack,
-        neighbours=list(v["neighbour"]))
+        neighbours=list(v["neighbour"]), **metrics_at)
     run_async(lambda: run_node(node_config))
 
 
@@ -185,6 +195,8 @@ def bootstrap_cmd(
     bootstrap: Bootstrap = None,
     mdns: Mdns = None,
     log_level: LogLevel = None,
+    metrics: Metrics = None,
+    no_metrics: NoMetrics = None,
     config: Config = None,
 ) -> None:
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
@@ -192,17 +204,19 @@ def bootstrap_cmd(
 
     v = config_cmd.effective("bootstrap", config, {
         "state_dir": state_dir, "listen": listen, "announce": announce, "bootstrap": bootstrap,
-        "mdns": mdns, "log_level": log_level,
+        "mdns": mdns, "log_level": log_level, "metrics": metrics, "no_metrics": no_metrics,
     }, {"state_dir": None, "listen": [BOOTSTRAP_LISTEN], "announce": [], "bootstrap": [],
-        "mdns": True, "log_level": "info"})
+        "mdns": True, "log_level": "info", "metrics": None, "no_metrics": False})
     listen = checks.listen_addrs(v["listen"])
     log_level = checks.log_level(v["log_level"])
     boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
+    metrics_at = checks.metrics_addr(v["metrics"], v["no_metrics"])
     state_dir = lock_state_dir(Path(v["state_dir"]) if v["state_dir"] else None)
     setup_logging(state_dir, log_level)
     node_config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=boot,
                              bootstrap_from=v["bootstrap_from"], listen=listen,
-                             announce=announce_addrs(v["announce"]), mdns=v["mdns"])
+                             announce=announce_addrs(v["announce"]), mdns=v["mdns"],
+                             **metrics_at)
     run_async(lambda: run_node(node_config))
 
 

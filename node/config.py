@@ -55,6 +55,14 @@ class NodeConfig:
     # per IP), and how misbehaviour is scored and banned: docs/robustness.md lists both.
     budget: BudgetLimits = field(default_factory=BudgetLimits)
     scoring: ScoreSettings = field(default_factory=ScoreSettings)
+    # The metrics port (Prometheus /metrics, the status page): (host, port), or None for
+    # none (--no-metrics). metrics_fallback: the address is the default, not one asked
+    # for, so a taken port means "any free port" (a second node on this machine), not an
+    # error. node/metrics/service.py.
+    metrics: tuple[str, int] | None = ("127.0.0.1", 9470)
+    metrics_fallback: bool = True
+    # Seconds between the progress lines a training node prints (step, losses, peers).
+    progress_s: float = 30.0
 
     @property
     def role(self) -> str:

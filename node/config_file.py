@@ -6,7 +6,7 @@ may be absent (then nothing is set); a file named by `--config` or the variable 
 
 Shape: keys are the flags' long names without the dashes (`join-timeout = 60`); a
 repeatable flag takes an array (`bootstrap = ["/ip4/.../p2p/..."]`). Top-level keys apply
-to both commands; a `[join]` or `[bootstrap]` table sets a key for that command only and
+to both commands; a `[join]` or `[bootstrap-node]` table sets a key for that command only and
 wins over the top level. Precedence, highest first: the command line, the environment
 (PEERTRAIN_BOOTSTRAP), the command's table, the top level, the built-in default.
 
@@ -79,6 +79,8 @@ class CommonKeys(_Table):
     announce: Addrs | None = None
     mdns: bool | None = None
     log_level: LogLevel | None = Field(None, alias="log-level")
+    metrics: Annotated[str, Field(min_length=1, max_length=300)] | None = None
+    no_metrics: bool | None = Field(None, alias="no-metrics")
 
 
 class JoinKeys(CommonKeys):
@@ -256,12 +258,14 @@ TEMPLATE = """\
 
 # state-dir = "/var/lib/peertrain"
 # Peers to start from, tried before remembered peers and mDNS:
-# bootstrap = ["/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW..."]
+# bootstrap = ["/ip4/203.0.113.7/tcp/4101/p2p/12D3KooW..."]
 # listen = ["/ip4/0.0.0.0/tcp/0"]
 # Addresses others should dial (a public address or a port forward):
-# announce = ["/ip4/203.0.113.7/tcp/4001"]
+# announce = ["/ip4/203.0.113.7/tcp/4101"]
 # mdns = true
 # log-level = "info"
+# Prometheus /metrics and the status page (default 127.0.0.1:9470), or no-metrics = true:
+# metrics = "127.0.0.1:9470"
 
 [join]
 # device = "auto"
@@ -270,5 +274,5 @@ TEMPLATE = """\
 # data = ["/path/to/my/texts"]
 
 [bootstrap-node]
-# listen = ["/ip4/0.0.0.0/tcp/4001"]
+# listen = ["/ip4/0.0.0.0/tcp/4101"]
 """

@@ -39,6 +39,7 @@ from node.membership.records import VALIDATORS, PeerRecordService
 from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
+from node.metrics.service import MetricsService
 from node.run.manifest import ManifestService
 from node.run.rundoc_sync import RunDocSync, load_document, stamps
 from node.run.store import RunStore
@@ -89,6 +90,8 @@ class Node:
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
+            MetricsService(self.status, config.metrics, fallback=config.metrics_fallback,
+                           progress_s=config.progress_s),
             GuardService(gate),
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
@@ -315,6 +318,7 @@ class Node:
             "p2p": {
                 "connections": len(substrate.connected_peers()),
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
+                "dht_operations": dht.statistics() if dht else {},
                 "handler_errors": substrate.handler_errors,
                 "host_restarts": substrate.stats.restarts,
                 "gossip": vars(ctx.publisher.stats),

@@ -27,3 +27,10 @@ class TrainingFailed(NodeError):
     """The trainer stopped with an error: the node stops too, with the reason."""
 
     exit_code = 9
+
+
+class MetricsPortError(NodeError):
+    """`--metrics HOST:PORT` cannot be listened on (taken, or not this machine's address):
+    a usage error, like a `--listen` that cannot bind, found before the node joins."""
+
+    exit_code = 2

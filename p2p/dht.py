@@ -21,8 +21,10 @@ What the wrapper adds (each item is a measured quirk of py-libp2p 0.8.1, notes/l
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import libp2p.kad_dht.common as _common
 import libp2p.kad_dht.kad_dht as _kad
@@ -37,6 +39,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.timing import Timings
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,28 @@ class DHT:
             strict_validation=True,
         )
         self._provided: set[str] = set()
+        # op -> its durations and how many ended without an answer (timeout or error):
+        # the metrics service exports them (peertrain_dht_operation_seconds, ..._failures).
+        self.timings: dict[str, Timings] = {}
+        self.failures: dict[str, int] = {}
+
+    @contextmanager
+    def _timed(self, op: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        except Exception:  # an outer cancellation is no failure of the DHT
+            self.failures[op] = self.failures.get(op, 0) + 1
+            raise
+        finally:
+            self.timings.setdefault(op, Timings()).observe(time.monotonic() - started)
+
+    def statistics(self) -> dict[str, Any]:
+        """Per operation (bootstrap, put, get, provide, find_providers): durations and
+        failures. A lookup that ran out its deadline counts as a duration, not a failure
+        (find_providers returns what it found by then)."""
+        return {op: {**t.snapshot(), "failures": self.failures.get(op, 0)}
+                for op, t in sorted(self.timings.items())}
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[DHT]:
@@ -92,7 +118,7 @@ class DHT:
 
     async def bootstrap(self) -> None:
         """Self-lookup through the peers we know: fills the routing table."""
-        with trio.move_on_after(self.query_timeout):
+        with self._timed("bootstrap"), trio.move_on_after(self.query_timeout):
             await self.kad.refresh_routing_table()
 
     def routing_table_size(self) -> int:
@@ -100,18 +126,18 @@ class DHT:
 
     async def put(self, key: str, value: bytes) -> None:
         """Store a record under a namespaced key (`/ns/rest`); validators run locally first."""
-        with trio.fail_after(self.query_timeout):
+        with self._timed("put"), trio.fail_after(self.query_timeout):
             await self.kad.put_value(key, value)
 
     async def get(self, key: str) -> bytes | None:
-        with trio.move_on_after(self.query_timeout):
+        with self._timed("get"), trio.move_on_after(self.query_timeout):
             return await self.kad.get_value(key)
         return None
 
     async def provide(self, key: str) -> None:
         """Announce that we provide `key`, and keep announcing it every reprovide_interval."""
         self._provided.add(key)
-        with trio.move_on_after(self.query_timeout):
+        with self._timed("provide"), trio.move_on_after(self.query_timeout):
             await self.kad.provide(key)
 
     def stop_providing(self, key: str) -> None:
@@ -134,7 +160,8 @@ class DHT:
                     known.addrs.extend(a for a in info.addrs if a not in known.addrs)
 
         add(self.kad.provider_store.get_providers(encoded))
-        with trio.move_on_after(self.query_timeout if timeout is None else timeout):
+        deadline = self.query_timeout if timeout is None else timeout
+        with self._timed("find_providers"), trio.move_on_after(deadline):
             peers = await self.kad.peer_routing.find_closest_peers_network(encoded)
             async with trio.open_nursery() as nursery:
                 for peer in peers:

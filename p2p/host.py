@@ -20,6 +20,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import libp2p.network.swarm as _swarm
 import multiaddr
@@ -220,6 +221,19 @@ class Substrate:
     def connected_peers(self) -> list[ID]:
         return [] if self.host is None else self.host.get_connected_peers()
 
+    def connection_paths(self) -> dict[str, str]:
+        """Each connected peer's path: "relayed" when its best connection goes through a
+        circuit relay (py-libp2p says so, or the address has /p2p-circuit), else "direct".
+        For `node status`, the status page and the `peertrain_peers` metric."""
+        if self.host is None:
+            return {}
+        paths = {}
+        for peer, conns in self.host.get_network().get_connections_map().items():
+            relayed = [_relayed(c) for c in conns]
+            if relayed:
+                paths[peer.to_base58()] = "direct" if not all(relayed) else "relayed"
+        return paths
+
     async def connect(self, addr: str, timeout: float = 10.0) -> ID:
         """Dial a peer multiaddr; raise DialError with the reason on failure."""
         info = parse_peer_addr(addr)
@@ -259,3 +273,12 @@ def _dial_reason(e: BaseException) -> str:
     if "refused" in text.lower() or isinstance(seen, ConnectionRefusedError):
         return "connection refused (is a node listening there?)"
     return text
+
+
+def _relayed(conn: Any) -> bool:
+    try:
+        if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
+            return True
+        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    except Exception:  # a connection closing under us: count it as what it most likely was
+        return False

@@ -203,3 +203,20 @@ def test_flags_override_environment_and_config(monkeypatch, tmp_path: Path):
     assert v["bootstrap"] == env and v["bootstrap_from"] == "PEERTRAIN_BOOTSTRAP"
     v = config_cmd.effective("join", path, {"bootstrap": [BOOT]}, defaults)
     assert v["bootstrap"] == [BOOT] and v["bootstrap_from"] == "--bootstrap"
+
+
+@pytest.mark.parametrize(("command", "table"), [("join", "join"), ("bootstrap", "bootstrap-node")])
+def test_every_flag_of_the_command_is_a_config_key(command, table):
+    """A flag added to `node join`/`node bootstrap` must be settable in the config file."""
+    import typer.main
+
+    from cli.main import app
+
+    click_cmd = typer.main.get_command(app).commands[command]
+    flags = {o.lstrip("-") for p in click_cmd.params if p.param_type_name == "option"
+             for o in p.opts if o.startswith("--")}
+    flags -= {"config", "help"}
+    model = cf.JoinKeys if command == "join" else cf.BootstrapKeys
+    keys = {f.alias or name for name, f in model.model_fields.items()}
+    keys |= {k.replace("_", "-") for k in model.model_fields}
+    assert flags <= keys, f"flags missing from [{table}]: {sorted(flags - keys)}"

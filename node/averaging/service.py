@@ -32,6 +32,7 @@ from node.averaging.lane import LaneListener, connect_lane
 from node.streams import pump, write_chunks
 from node.training.rounds import Outcome
 from p2p.host import Substrate
+from p2p.timing import Timings
 from protocols import averaging as av
 from protocols.errors import RemoteProtocolError
 
@@ -47,6 +48,11 @@ class PartnerStats:
     bytes_per_s: float = 50e6  # prior until measured: a modest LAN link
     exchanges: int = 0
     failures: int = 0
+    # Bytes of tensors by path: "lane" (the bulk TCP lane) or "stream" (libp2p).
+    sent: Counter[str] = field(default_factory=Counter)
+    received: Counter[str] = field(default_factory=Counter)
+    last_exchange_unix: float | None = None  # wall clock, for the status page
+    last_seconds: float | None = None
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Averager:
         self.inner_steps = inner_steps
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
         self.partners: dict[str, PartnerStats] = {}
+        self.exchange_seconds = Timings()  # successful exchanges, start to vector received
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -111,8 +118,12 @@ class Averager:
 
     def statistics(self) -> dict[str, Any]:
         return {"partners": {p: {"mb_per_s": round(s.bytes_per_s / 1e6, 1),
-                                 "exchanges": s.exchanges, "failures": s.failures}
+                                 "exchanges": s.exchanges, "failures": s.failures,
+                                 "bytes_sent": dict(s.sent), "bytes_received": dict(s.received),
+                                 "last_exchange_unix": s.last_exchange_unix,
+                                 "last_seconds": s.last_seconds}
                              for p, s in sorted(self.partners.items())},
+                "exchange_seconds": self.exchange_seconds.snapshot(),
                 "lane_failed": sorted(self.lane_failed)}
 
     # -- helpers ----------------------------------------------------------------------
@@ -158,10 +169,15 @@ class Averager:
             st.bytes_per_s = 0.7 * st.bytes_per_s + 0.3 * (nbytes / seconds) if st.exchanges \
                 else nbytes / seconds
             st.exchanges += 1
+            st.last_exchange_unix, st.last_seconds = time.time(), round(seconds, 3)
+            self.exchange_seconds.observe(seconds)
         elif not ok:
             st.failures += 1
 
-    def _count(self, sent: int, received: int) -> None:
+    def _count(self, partner: str, path: str, sent: int, received: int) -> None:
+        st = self.partners.setdefault(partner, PartnerStats())
+        st.sent[path] += sent
+        st.received[path] += received
         if self.stats is not None:
             self.stats.bytes_sent += sent
             self.stats.bytes_received += received
@@ -238,7 +254,7 @@ class Averager:
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
             if event.lane is None:
-                return await self._swap(stream, ex, snapshot)
+                return await self._swap(stream, ex, snapshot, partner, "stream")
             try:
                 host = stream.get_remote_address()[0]
                 lane = await connect_lane(host, event.lane.port, event.lane.key, timeout=2.0)
@@ -247,7 +263,7 @@ class Averager:
                 raise RemoteProtocolError(f"bulk lane unreachable ({e!r}); the libp2p "
                                           f"stream for {LANE_RETRY_S:.0f} s") from e
             try:
-                return await self._swap(lane, ex, snapshot)
+                return await self._swap(lane, ex, snapshot, partner, "lane")
             finally:
                 await _close(lane)
         finally:
@@ -301,7 +317,7 @@ class Averager:
             codec = av.negotiate(offer.codecs, self.codecs)
             if not (self.lanes and av.LANE_TCP in offer.lanes):
                 await stream.write(ex.accept(codec))
-                slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot)
+                slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer, "stream")
                 return
             listener = LaneListener(self.lane_host)
             try:
@@ -309,7 +325,7 @@ class Averager:
                 await stream.write(ex.accept(codec, av.Lane(av.LANE_TCP, port, listener.key)))
                 lane = await listener.accept(timeout=5.0)
                 try:
-                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot)
+                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane")
                 finally:
                     await _close(lane)
             finally:
@@ -319,7 +335,8 @@ class Averager:
 
     # -- both sides -----------------------------------------------------------------
 
-    async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any) -> Any:
+    async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any, partner: str,
+                    path: str) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         chunks = ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
@@ -336,7 +353,7 @@ class Averager:
                     break
                 if isinstance(event, av.ChunkReceived):
                     received += event.nbytes
-        self._count(sent, received)
+        self._count(partner, path, sent, received)
         return ex.received_vector()
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:

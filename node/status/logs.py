@@ -127,6 +127,8 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
         err.setFormatter(HumanFormatter())
         err.setLevel(numeric)
         err.addFilter(FLOOD)
+        # Records for the file only (`extra={"console": False}`: node.log's progress points).
+        err.addFilter(lambda record: getattr(record, "console", True))
         root.addHandler(err)
     if state_dir is not None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,1 @@
+"""Watching a node: Prometheus metrics, the status page, progress lines (service.py)."""

@@ -1,0 +1,235 @@
+"""The node's status as Prometheus metric families.
+
+One custom collector reads the dict `node status --json` returns (the daemon's `status()`:
+identity, phase, substrate counters and every service's `statistics()`) and yields metric
+families from it. Services keep plain counters and never import prometheus_client; this
+is the only place that names a metric (docs/operator.md lists them all). Reading a status
+dict rather than instrumenting code also means a metric and `node status` never disagree.
+
+Names follow Prometheus's conventions: a `peertrain_` prefix, base units in the name
+(`_seconds`, `_bytes`), counters end in `_total` (the exposition adds it), and a label only
+where its values are few (peers of a run, operations, reasons, phases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+P = "peertrain_"
+
+
+class StatusCollector(Collector):
+    """Yields the families of one status snapshot; `extra()` adds what the metrics
+    service itself measures (checkpoint bytes held, peers by path, page requests)."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 extra: Callable[[], dict[str, Any]] = dict) -> None:
+        self.status = status
+        self.extra = extra
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.status()
+        yield from node_families(st)
+        yield from training_families(st.get("training") or {})
+        yield from averaging_families(st.get("averaging") or {})
+        yield from dht_families((st.get("p2p") or {}).get("dht_operations") or {})
+        yield from guard_families(st)
+        yield from extra_families(self.extra())
+
+
+def _gauge(name: str, doc: str, value: float | None, **labels: str) -> Iterator[Metric]:
+    if value is None:
+        return
+    g = GaugeMetricFamily(P + name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), float(value))
+    yield g
+
+
+def _counter(name: str, doc: str, value: float | None) -> Iterator[Metric]:
+    if value is None:
+        return
+    yield CounterMetricFamily(P + name, doc, value=float(value))
+
+
+def _labelled(cls: type, name: str, doc: str, label: str,
+              values: dict[str, Any]) -> Iterator[Metric]:
+    m = cls(P + name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        m.add_metric([str(key)], float(value))
+    yield m
+
+
+def _histogram(name: str, doc: str, labels: list[str],
+               series: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:
+    """series: (label values, a p2p.timing.Timings snapshot) per labelled histogram."""
+    h = HistogramMetricFamily(P + name, doc, labels=labels)
+    for values, snap in series:
+        buckets = [(le if le == "+Inf" else repr(float(le)), float(n))
+                   for le, n in snap["buckets"]]
+        h.add_metric(values, buckets, sum_value=float(snap["sum"]))
+    yield h
+
+
+def node_families(st: dict[str, Any]) -> Iterator[Metric]:
+    info = InfoMetricFamily(P + "node", "Who this node is and what it runs.")
+    info.add_metric([], {k: str(st.get(k) or "") for k in
+                         ("peer_id", "role", "run", "run_name", "device")})
+    yield info
+    yield from _labelled(GaugeMetricFamily, "node_phase",
+                         "1 for the phase the node is in, 0 for the others it went through.",
+                         "phase", {p: p == st.get("phase") for p in st.get("phase_times", {})})
+    yield from _labelled(GaugeMetricFamily, "node_phase_started_seconds",
+                         "When each phase began, in seconds after the node started (the "
+                         "join's phases; 'first step' ends a join).", "phase",
+                         st.get("phase_times", {}))
+    yield from _gauge("node_uptime_seconds", "Seconds since the node started.",
+                      st.get("uptime_s"))
+    p2p = st.get("p2p") or {}
+    yield from _gauge("connected_peers", "Peers with an open libp2p connection.",
+                      p2p.get("connections"))
+    yield from _gauge("dht_routing_table_peers", "Peers in the DHT routing table.",
+                      p2p.get("dht_routing_table"))
+    yield from _counter("host_restarts", "Times the libp2p host died and was restarted.",
+                        p2p.get("host_restarts"))
+    gossip = p2p.get("gossip") or {}
+    yield from _labelled(CounterMetricFamily, "gossip_messages",
+                         "Gossip messages we published, by outcome (dropped: the paced "
+                         "queue was full).", "outcome", gossip)
+    membership = st.get("membership") or {}
+    if "peers" in membership:
+        yield from _gauge("run_peers_live", "Members of the run heard from within the "
+                          "heartbeat TTL.", len(membership["peers"]))
+        yield from _gauge("run_members", "Members of the run in the run document.",
+                          len(membership.get("members", [])))
+        yield from _counter("heartbeats_sent", "Heartbeats this node published.",
+                            membership.get("heartbeats_sent"))
+    ckpt = st.get("checkpoints") or {}
+    yield from _counter("checkpoints_saved", "Checkpoints this node saved.", ckpt.get("saved"))
+    yield from _counter("checkpoint_save_failures", "Checkpoint saves that failed.",
+                        ckpt.get("failed"))
+    download = ckpt.get("download") or {}
+    yield from _gauge("checkpoint_download_chunks", "Chunks of the joining download held.",
+                      download.get("done"))
+    yield from _gauge("checkpoint_download_chunks_expected", "Chunks the joining download "
+                      "needs.", download.get("total"))
+    server = st.get("checkpoint_server") or {}
+    if server:
+        yield from _labelled(CounterMetricFamily, "checkpoint_requests_served",
+                             "Checkpoint manifest and chunk requests answered, by result.",
+                             "result", {"served": server.get("served", 0),
+                                        "not_held": server.get("not_held", 0)})
+
+
+def training_families(t: dict[str, Any]) -> Iterator[Metric]:
+    if not t:
+        return
+    yield from _gauge("training_step", "Inner steps this node's model has taken.", t.get("step"))
+    yield from _gauge("training_round", "The outer (averaging) round.", t.get("round"))
+    yield from _gauge("training_loss", "The last inner step's training loss.", t.get("loss"))
+    yield from _gauge("validation_loss", "The last evaluation's validation loss.",
+                      t.get("val_loss"))
+    yield from _gauge("training_learning_rate", "The inner optimizer's learning rate.",
+                      t.get("lr"))
+    yield from _gauge("model_parameters", "Parameters of the model this node trains.",
+                      t.get("params"))
+    yield from _counter("training_compute_seconds", "Seconds the trainer spent computing.",
+                        t.get("compute_s"))
+    yield from _gauge("training_compute_ratio", "Share of wall time spent computing.",
+                      t.get("compute_fraction"))
+    yield from _labelled(CounterMetricFamily, "training_rounds",
+                         "Outer rounds, by outcome: averaged with partners or local.",
+                         "outcome", {"averaged": t.get("rounds_averaged", 0),
+                                     "local": t.get("rounds_local", 0)})
+
+
+def averaging_families(a: dict[str, Any]) -> Iterator[Metric]:
+    if not a:
+        return
+    if "exchange_seconds" in a:
+        yield from _histogram("exchange_seconds", "Weight exchanges that succeeded, from "
+                              "the round boundary to the partner's vector received.", [],
+                              [([], a["exchange_seconds"])])
+    partners = a.get("partners") or {}
+    for direction in ("sent", "received"):
+        m = CounterMetricFamily(P + f"exchange_{direction}_bytes",
+                                f"Tensor bytes {direction} in weight exchanges, by partner "
+                                "and path (lane: the bulk TCP lane; stream: libp2p).",
+                                labels=["peer", "path"])
+        for peer, p in sorted(partners.items()):
+            for path, n in sorted((p.get(f"bytes_{direction}") or {}).items()):
+                m.add_metric([peer, path], float(n))
+        yield m
+    for key, name, doc in (("exchanges", "exchanges", "Weight exchanges that succeeded."),
+                           ("failures", "exchange_failures",
+                            "Weight exchanges that failed (a local step instead).")):
+        yield from _labelled(CounterMetricFamily, name, doc + " By partner.", "peer",
+                             {peer: p.get(key, 0) for peer, p in partners.items()})
+    yield from _labelled(GaugeMetricFamily, "exchange_throughput_bytes_per_second",
+                         "Each partner's measured exchange throughput (EWMA).", "peer",
+                         {peer: p.get("mb_per_s", 0) * 1e6 for peer, p in partners.items()})
+
+
+def dht_families(d: dict[str, Any]) -> Iterator[Metric]:
+    if not d:
+        return
+    yield from _histogram("dht_operation_seconds", "DHT operations by kind (bootstrap, "
+                          "put, get, provide, find_providers).", ["operation"],
+                          [([op], snap) for op, snap in sorted(d.items())])
+    yield from _labelled(CounterMetricFamily, "dht_operation_failures",
+                         "DHT operations that raised (a put without an answer).", "operation",
+                         {op: snap.get("failures", 0) for op, snap in d.items()})
+
+
+def guard_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """Every message or stream refused, by reason: the gate's budget refusals, scored
+    misbehaviour and missed deadlines, and the gossip rejected by heartbeats and the run
+    document."""
+    guard = st.get("guard") or {}
+    reasons: dict[str, float] = {}
+    for group in ("refused", "misbehaviour", "deadline_misses"):
+        for reason, n in (guard.get(group) or {}).items():
+            key = f"{group}:{reason}" if group != "refused" else str(reason)
+            reasons[key] = reasons.get(key, 0) + n
+    hb = (st.get("membership") or {}).get("rejected_heartbeats")
+    if hb:
+        reasons["heartbeat"] = hb
+    doc = (st.get("run_document") or {}).get("rejected")
+    if doc:
+        reasons["run_document"] = doc
+    yield from _labelled(CounterMetricFamily, "messages_rejected",
+                         "Inbound streams, connections and messages refused, by reason.",
+                         "reason", reasons)
+    if guard:
+        yield from _gauge("peers_banned", "Peers banned now.", len(guard.get("bans") or {}))
+        yield from _counter("bans", "Bans imposed since start.", guard.get("bans_total"))
+        yield from _gauge("inbound_streams", "Inbound streams open now.",
+                          guard.get("inbound_streams"))
+        yield from _labelled(CounterMetricFamily, "log_lines_suppressed",
+                             "Log lines about a misbehaving peer left out (flood filter).",
+                             "reason", (guard.get("logs") or {}).get("suppressed") or {})
+    yield from _counter("handler_errors", "Stream handlers that raised (the stream was "
+                        "reset, the host lives on).", (st.get("p2p") or {}).get("handler_errors"))
+
+
+def extra_families(x: dict[str, Any]) -> Iterator[Metric]:
+    if "peers_by_path" in x:
+        yield from _labelled(GaugeMetricFamily, "peers", "Connected peers by path (direct; "
+                             "relayed through a circuit relay).", "path", x["peers_by_path"])
+    yield from _gauge("checkpoint_held_bytes", "Bytes of this run's checkpoints on disk.",
+                      x.get("checkpoint_bytes"))
+    yield from _gauge("checkpoints_held", "This run's checkpoints on disk.",
+                      x.get("checkpoints_held"))
+    if "http_requests" in x:
+        yield from _labelled(CounterMetricFamily, "http_requests",
+                             "Requests to this metrics and status port, by response code.",
+                             "code", x["http_requests"])

@@ -1,0 +1,218 @@
+// The node's status page: polls /api/status and draws it. Plain DOM and inline SVG, no
+// library and no network beyond this node (the machine may be offline).
+"use strict";
+
+const REFRESH_MS = 2000;
+const SVG = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  return e;
+}
+
+function svgEl(tag, attrs, text) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = String(text);
+  return e;
+}
+
+const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+const short = (p) => (p && p.length > 14 ? p.slice(0, 8) + "…" + p.slice(-4) : p || "–");
+const mb = (n) => (n ? (n / 1e6).toFixed(1) : "0");
+
+function ago(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  if (seconds < 90) return Math.round(seconds) + " s ago";
+  if (seconds < 5400) return Math.round(seconds / 60) + " min ago";
+  return (seconds / 3600).toFixed(1) + " h ago";
+}
+
+function duration(seconds) {
+  if (seconds < 90) return Math.round(seconds) + " s";
+  if (seconds < 5400) return Math.round(seconds / 60) + " min";
+  return (seconds / 3600).toFixed(1) + " h";
+}
+
+function rows(tbody, list) {
+  tbody.replaceChildren(...list);
+}
+
+function kv(pairs) {
+  return pairs.map(([k, v]) => {
+    const tr = el("tr");
+    tr.append(el("th", {}, k), el("td", { class: "num" }, v));
+    return tr;
+  });
+}
+
+function header(st) {
+  $("title").textContent = st.run_name ? "peertrain · " + st.run_name
+    : "peertrain " + (st.role || "node");
+  document.title = $("title").textContent;
+  const meta = $("meta");
+  meta.replaceChildren();
+  const add = (k, v, code) => {
+    meta.append(k + " ");
+    meta.append(code ? el("code", {}, v) : el("b", {}, v));
+    meta.append("   ");
+  };
+  add("phase", st.phase);
+  add("device", st.device || "–");
+  add("uptime", duration(st.uptime_s || 0));
+  if (st.run) add("run", st.run, true);
+  add("peer", st.peer_id, true);
+}
+
+function cards(st) {
+  const t = st.training || {};
+  const live = ((st.membership || {}).peers || []).length;
+  const items = [
+    ["step", t.step ?? "–"], ["train loss", fmt(t.loss)], ["validation loss", fmt(t.val_loss)],
+    ["rounds averaged", t.rounds_averaged ?? "–"], ["rounds local", t.rounds_local ?? "–"],
+    ["peers live", st.membership ? live : "–"], ["connections", (st.p2p || {}).connections ?? 0],
+    ["compute share", t.compute_fraction !== undefined
+      ? Math.round(t.compute_fraction * 100) + " %" : "–"],
+  ];
+  $("cards").replaceChildren(...items.map(([k, v]) => {
+    const c = el("div", { class: "card" });
+    c.append(el("div", { class: "v" }, v), el("div", { class: "k" }, k));
+    return c;
+  }));
+}
+
+// history rows: [unix time, step, train loss, validation loss]
+function chart(history) {
+  const svg = $("loss-chart");
+  const W = 900, H = 280, L = 52, R = 12, T = 10, B = 30;
+  svg.replaceChildren();
+  const pts = history.filter((h) => h[2] !== null || h[3] !== null);
+  $("chart-note").textContent = pts.length
+    ? "by step · " + pts.length + " points, steps " + pts[0][1] + "–" + pts[pts.length - 1][1]
+    : "no training step yet";
+  if (!pts.length) return;
+  const losses = pts.flatMap((h) => [h[2], h[3]]).filter((v) => v !== null && isFinite(v));
+  let lo = Math.min(...losses), hi = Math.max(...losses);
+  if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; }
+  const pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
+  const s0 = pts[0][1], s1 = Math.max(pts[pts.length - 1][1], s0 + 1);
+  const x = (s) => L + ((s - s0) / (s1 - s0)) * (W - L - R);
+  const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
+  for (let i = 0; i <= 4; i++) {
+    const v = lo + ((hi - lo) * i) / 4;
+    svg.append(svgEl("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eef1f4" }));
+    svg.append(svgEl("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, v.toFixed(2)));
+  }
+  for (let i = 0; i <= 4; i++) {
+    const s = Math.round(s0 + ((s1 - s0) * i) / 4);
+    svg.append(svgEl("text", { x: x(s), y: H - 10, "text-anchor": "middle" }, s));
+  }
+  const curve = (idx, color, id) => {
+    const p = pts.filter((h) => h[idx] !== null && isFinite(h[idx]));
+    if (!p.length) return;
+    const d = p.map((h, i) => (i ? "L" : "M") + x(h[1]).toFixed(1) + " " + y(h[idx]).toFixed(1));
+    svg.append(svgEl("path", { id, d: d.join(" "), fill: "none", stroke: color,
+      "stroke-width": 2, "data-points": p.length }));
+    if (p.length === 1) {
+      svg.append(svgEl("circle", { cx: x(p[0][1]), cy: y(p[0][idx]), r: 3, fill: color }));
+    }
+  };
+  curve(2, "var(--train)", "train-curve");
+  curve(3, "var(--val)", "val-curve");
+}
+
+function peers(st) {
+  const now = st.now_unix;
+  const live = (st.membership || {}).peers || [];
+  const partners = (st.averaging || {}).partners || {};
+  const paths = st.paths || {};
+  const ids = [...new Set([...live.map((p) => p.peer_id), ...Object.keys(partners)])].sort();
+  const byId = Object.fromEntries(live.map((p) => [p.peer_id, p]));
+  rows($("peers"), ids.map((id) => {
+    const p = byId[id] || {}, a = partners[id] || {}, s = p.stats || {};
+    const path = paths[id] || "none";
+    const tr = el("tr", { "data-peer": id });
+    const pathCell = el("td");
+    pathCell.append(el("span", { class: "pill " + path }, path === "none" ? "not connected" : path));
+    const sum = (o) => Object.values(o || {}).reduce((x, y) => x + y, 0);
+    const last = a.last_exchange_unix
+      ? ago(now - a.last_exchange_unix) + (a.last_seconds ? " (" + a.last_seconds.toFixed(2) + " s)" : "")
+      : "–";
+    tr.append(el("td", { title: id }, short(id)), pathCell,
+      el("td", { class: "num" }, s.step ?? "–"), el("td", { class: "num" }, fmt(s.loss)),
+      el("td", {}, p.device || "–"),
+      el("td", { class: "num" }, p.last_seen_s !== undefined ? ago(p.last_seen_s) : "gone"),
+      el("td", { class: "num" }, a.exchanges ?? 0), el("td", { class: "num" }, a.failures ?? 0),
+      el("td", {}, last), el("td", { class: "num" }, mb(sum(a.bytes_sent))),
+      el("td", { class: "num" }, mb(sum(a.bytes_received))));
+    return tr;
+  }));
+  if (!ids.length) {
+    const tr = el("tr");
+    tr.append(el("td", { colspan: 11, class: "meta" }, "no peers heard yet"));
+    rows($("peers"), [tr]);
+  }
+}
+
+function rounds(st) {
+  const t = st.training || {}, a = st.averaging || {};
+  const h = a.exchange_seconds;
+  const mean = h && h.count ? (h.sum / h.count).toFixed(2) + " s" : "–";
+  rows($("rounds"), kv([
+    ["round", t.round ?? "–"], ["averaged", t.rounds_averaged ?? "–"],
+    ["local (no partner)", t.rounds_local ?? "–"], ["last partner", short(t.last_partner)],
+    ["mean exchange", mean], ["MB sent", mb(t.bytes_sent)], ["MB received", mb(t.bytes_received)],
+  ]));
+}
+
+function checkpoints(st) {
+  const list = (st.checkpoints || []).slice().reverse();
+  if (!list.length) {
+    const tr = el("tr");
+    tr.append(el("td", { colspan: 4, class: "meta" }, "none held"));
+    rows($("checkpoints"), [tr]);
+    return;
+  }
+  rows($("checkpoints"), list.map((c) => {
+    const tr = el("tr"), id = el("td");
+    id.append(el("code", { title: c.cid }, short(c.cid)));
+    tr.append(id, el("td", { class: "num" }, c.step), el("td", { class: "num" }, mb(c.bytes)),
+      el("td", {}, ago(st.now_unix - c.created_ms / 1000)));
+    return tr;
+  }));
+}
+
+function phases(st) {
+  const entries = Object.entries(st.phase_times || {}).sort((a, b) => a[1] - b[1]);
+  rows($("phases"), kv(entries.map(([k, v]) => [k, v.toFixed(2) + " s"])));
+}
+
+function network(st) {
+  const p = st.p2p || {}, g = st.guard || {};
+  const refused = Object.values(g.refused || {}).reduce((x, y) => x + y, 0);
+  rows($("network"), kv([
+    ["connections", p.connections ?? 0], ["DHT routing table", p.dht_routing_table ?? 0],
+    ["banned peers", Object.keys(g.bans || {}).length], ["refused streams", refused],
+    ["handler errors", p.handler_errors ?? 0], ["addresses", (st.addrs || []).length],
+  ]));
+}
+
+async function refresh() {
+  try {
+    const r = await fetch("/api/status", { cache: "no-store" });
+    if (!r.ok) throw new Error("HTTP " + r.status);
+    const st = await r.json();
+    $("error").textContent = "";
+    header(st); cards(st); chart(st.history || []); peers(st); rounds(st);
+    checkpoints(st); phases(st); network(st);
+    document.body.setAttribute("data-loaded", "1");
+  } catch (e) {
+    $("error").textContent = "cannot reach the node: " + e.message;
+  }
+  setTimeout(refresh, REFRESH_MS);
+}
+
+refresh();
