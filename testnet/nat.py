@@ -138,8 +138,9 @@ def build_gateway(topo: ns.Topology, name: str, kind: str) -> None:
         ns._run(["ip", "-n", namespace, "link", "set", dev, "up"])
     ns._run(["ip", "-n", node, "route", "add", "default", "via", lan_gw])
     ns._forwarding(gw)
-    nft = subprocess.run(["ip", "netns", "exec", gw, "nft", "-f", "-"], input=_ruleset(kind, node_ip),
-                         capture_output=True, text=True, timeout=10)
+    nft = subprocess.run(["ip", "netns", "exec", gw, "nft", "-f", "-"],
+                         input=_ruleset(kind, node_ip), capture_output=True, text=True,
+                         timeout=10)
     if nft.returncode != 0:
         raise ns.NetnsError(f"nft in {gw} failed: {nft.stderr.strip()}")
     if kind == "upnp":

@@ -33,8 +33,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUBNET = "198.18"
-LAN_SUBNET = "198.19"  # a NATed node's LAN: 198.19.<i>.0/24, gateway .1, node .2  # WAN links: 198.18.<i>.0/24, <i> from 1
+SUBNET = "198.18"  # WAN links: 198.18.<i>.0/24, <i> from 1
+LAN_SUBNET = "198.19"  # a NATed node's LAN: 198.19.<i>.0/24, gateway .1, node .2
 PREFIX = "pt-"  # every namespace of every testnet; <tag> then names one testnet
 MAX_NODES = 250
 RULE_PREF = 1000  # all partition rules share one priority: `heal` deletes exactly those
