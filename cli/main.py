@@ -35,6 +35,8 @@ Bootstrap = Annotated[list[str] | None, typer.Option(
 Listen = Annotated[list[str] | None, typer.Option(
     "--listen", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0.")]
 LogLevel = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+NoUpnp = Annotated[bool, typer.Option(
+    "--no-upnp", help="Never ask the LAN's gateway for a port mapping (docs/nat.md).")]
 
 
 def lock_state_dir(state_dir: Path | None) -> Path:
@@ -70,6 +72,7 @@ def join(
         "--neighbour", help="Testnets only: exchange with exactly this peer id every round"
         " (repeatable; each must name us too), not the run's pairing.")] = None,
     log_level: LogLevel = "info",
+    no_upnp: NoUpnp = False,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
     from node.daemon import run_node
@@ -98,7 +101,7 @@ def join(
     config = NodeConfig(state_dir=state_dir, run_id=run_id, bootstrap=list(bootstrap or []),
                         listen=listen, device=device, join_timeout_s=join_timeout,
                         train=not no_train, data=files, attack=attack,
-                        neighbours=list(neighbour or []))
+                        neighbours=list(neighbour or []), upnp=not no_upnp)
     run_async(lambda: run_node(config))
 
 
@@ -108,6 +111,7 @@ def bootstrap_cmd(
     listen: Listen = None,
     bootstrap: Bootstrap = None,
     log_level: LogLevel = "info",
+    no_upnp: NoUpnp = False,
 ) -> None:
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
     from node.daemon import run_node
@@ -117,7 +121,7 @@ def bootstrap_cmd(
     state_dir = lock_state_dir(state_dir)
     setup_logging(state_dir, log_level)
     config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=list(bootstrap or []),
-                        listen=listen)
+                        listen=listen, upnp=not no_upnp)
     run_async(lambda: run_node(config))
 
 

@@ -35,6 +35,7 @@ from node.membership.records import VALIDATORS, PeerRecordService
 from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
+from node.reach.service import ReachabilityService
 from node.run.manifest import ManifestService
 from node.run.rundoc_sync import RunDocSync, load_document, stamps
 from node.run.store import RunStore
@@ -86,6 +87,7 @@ class Node:
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
             Redialer(substrate, config.bootstrap, self.ctx.membership.addresses),
+            ReachabilityService(upnp=config.upnp),
         ]
 
     @property
