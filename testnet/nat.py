@@ -17,6 +17,8 @@ class of NAT (measured with py-libp2p in ../shared/notes/nat.md):
   the gateway is not behind a restrictive NAT: the WAN router runs our STUN responder
   (testnet/stun.py) on 198.18.0.1 and 198.18.0.2 for that. The gateway's own ports answer
   unsolicited packets with RST (the STUN check needs unsolicited answers to come in).
+* `upnp-deny`: the same gateway, but its miniupnpd refuses every mapping (a router with
+  UPnP locked down): what a node does when its gateway says no.
 
 Everything lives in namespaces this module creates; nothing runs in the root namespace.
 Helper processes (STUN responder, miniupnpd) are killed with their namespace
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from testnet import netns as ns
 
-KINDS = ("fullcone", "home", "symmetric", "upnp")
+KINDS = ("fullcone", "home", "symmetric", "upnp", "upnp-deny")
 STUN_IP, STUN_ALT_IP, STUN_PORT = "198.18.0.1", "198.18.0.2", 3478
 MINIUPNPD = "/usr/sbin/miniupnpd"
 
@@ -49,7 +51,7 @@ def missing_tools(kinds: set[str]) -> str | None:
     or a CLI error)."""
     if shutil.which("nft") is None:
         return "the `nft` command (nftables) is not installed: apt-get install nftables"
-    if "upnp" in kinds and not Path(MINIUPNPD).exists():
+    if kinds & {"upnp", "upnp-deny"} and not Path(MINIUPNPD).exists():
         return "miniupnpd is not installed: apt-get install miniupnpd"
     return None
 
@@ -75,7 +77,7 @@ def prepare_wan(topo: ns.Topology, kinds: set[str]) -> None:
     if unknown:
         raise ns.NetnsError(f"unknown NAT kind {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(KINDS)}")
-    if "upnp" in kinds:
+    if kinds & {"upnp", "upnp-deny"}:
         for ip in (STUN_IP, STUN_ALT_IP):
             ns._run(["ip", "-n", topo.router, "addr", "add", f"{ip}/32", "dev", "lo"])
         _spawn(topo.router, [sys.executable, "-m", "testnet.stun", "--ip", STUN_IP,
@@ -86,7 +88,7 @@ def prepare_wan(topo: ns.Topology, kinds: set[str]) -> None:
 def _ruleset(kind: str, node_ip: str) -> str:
     """The gateway's nftables ruleset for one NAT kind (see the module docstring)."""
     masq = "masquerade fully-random" if kind == "symmetric" else "masquerade"
-    if kind == "upnp":  # the table and chain names miniupnpd's nft backend expects
+    if kind.startswith("upnp"):  # the table and chain names miniupnpd's nft backend expects
         return f"""
 table inet filter {{
   chain forward {{ type filter hook forward priority 0; policy accept;
@@ -143,12 +145,13 @@ def build_gateway(topo: ns.Topology, name: str, kind: str) -> None:
                          timeout=10)
     if nft.returncode != 0:
         raise ns.NetnsError(f"nft in {gw} failed: {nft.stderr.strip()}")
-    if kind == "upnp":
-        _start_miniupnpd(topo, name)
+    if kind.startswith("upnp"):
+        _start_miniupnpd(topo, name, refuse=kind == "upnp-deny")
 
 
-def miniupnpd_conf(topo: ns.Topology, name: str) -> str:
+def miniupnpd_conf(topo: ns.Topology, name: str, refuse: bool = False) -> str:
     i = topo.nodes[name]
+    allow = [] if refuse else [f"allow 1024-65535 {ns.LAN_SUBNET}.{i}.0/24 1024-65535"]
     return "\n".join([
         "ext_ifname=wan",
         "listening_ip=lan",
@@ -167,16 +170,16 @@ def miniupnpd_conf(topo: ns.Topology, name: str) -> str:
         "upnp_forward_chain=miniupnpd",
         "upnp_nat_chain=prerouting_miniupnpd",
         "upnp_nat_postrouting_chain=postrouting_miniupnpd",
-        f"allow 1024-65535 {ns.LAN_SUBNET}.{i}.0/24 1024-65535",
+        *allow,
         "deny 0-65535 0.0.0.0/0 0-65535",
         "",
     ])
 
 
-def _start_miniupnpd(topo: ns.Topology, name: str) -> None:
+def _start_miniupnpd(topo: ns.Topology, name: str, refuse: bool) -> None:
     work = Path(topo.workdir)
     conf = work / f"miniupnpd-{name}.conf"
-    conf.write_text(miniupnpd_conf(topo, name))
+    conf.write_text(miniupnpd_conf(topo, name, refuse))
     # -d: stay in the foreground, log to stderr (into the log file); -P: its pid file
     _spawn(topo.gateway(name), [MINIUPNPD, "-d", "-f", str(conf),
                                 "-P", str(work / f"miniupnpd-{name}.pid")],
