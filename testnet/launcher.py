@@ -35,6 +35,7 @@ from node.run.store import RunStore
 from node.status.control import NETNS_ENV, ControlUnavailable, query_control
 from protocols import manifest as mf
 from testnet import churn as churn_mod
+from testnet import nat as nat_mod
 from testnet import netns as ns
 from testnet.churn import ChurnConfig, Kill, kill_schedule
 
@@ -210,8 +211,12 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             names = ["bootstrap", *(f"node{i}" for i in range(1, nodes + 1)),
                      *(f"sybil{i}" for i in range(1, sybils + 1))]
             try:
-                topo = ns.create(ns.tag_for(str(directory)), names, nat=nat, rate=rate,
-                                 workdir=str(directory), detached=detached)
+                if nat:
+                    topo = nat_mod.create(ns.tag_for(str(directory)), names, nat, rate=rate,
+                                          workdir=str(directory), detached=detached)
+                else:
+                    topo = ns.create(ns.tag_for(str(directory)), names, rate=rate,
+                                     workdir=str(directory), detached=detached)
             except ns.NetnsError as e:
                 raise TestnetError(f"cannot create the network namespaces: {e}") from e
             net.netns = topo.to_json()

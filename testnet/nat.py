@@ -68,6 +68,13 @@ def _spawn(namespace: str, argv: list[str], log: Path, detached: bool) -> int:
     return p.pid
 
 
+def create(tag: str, names: list[str], kinds: dict[str, str], *, rate: str | None = None,
+           workdir: str = "/tmp", detached: bool = False) -> ns.Topology:
+    """netns.create with the names in `kinds` behind NAT gateways of those kinds."""
+    return ns.create(tag, names, nat=kinds, rate=rate, workdir=workdir, detached=detached,
+                     prepare=prepare_wan, gateway=build_gateway)
+
+
 def prepare_wan(topo: ns.Topology, kinds: set[str]) -> None:
     """What the WAN needs for these NAT kinds: a STUN responder for miniupnpd's check."""
     reason = missing_tools(kinds)

@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,12 +127,18 @@ class Topology:
         return cls(**doc)
 
 
+Gateways = Callable[[Topology, str, str], None]  # (topology, node name, NAT kind)
+
+
 def create(tag: str, names: list[str], *, nat: dict[str, str] | None = None,
-           rate: str | None = None, workdir: str = "/tmp", detached: bool = False) -> Topology:
+           rate: str | None = None, workdir: str = "/tmp", detached: bool = False,
+           prepare: Callable[[Topology, set[str]], None] | None = None,
+           gateway: Gateways | None = None) -> Topology:
     """The router and one namespace per name; on failure everything created is removed.
 
-    `nat` puts some names behind a NAT gateway of that kind (testnet/nat.py); `rate`
-    shapes every WAN link both ways (tc tbf, e.g. "100mbit")."""
+    `nat` puts some names behind a NAT gateway of that kind, which `gateway` builds once
+    the WAN link is up (`prepare` readies the WAN first): testnet/nat.py's `create` passes
+    both. `rate` shapes every WAN link both ways (tc tbf, e.g. "100mbit")."""
     topo = Topology(tag, rate=rate, workdir=workdir, detached=detached)
     for stale in existing(tag):  # left by a crashed launcher of the same directory
         _delete(stale)
@@ -139,12 +146,12 @@ def create(tag: str, names: list[str], *, nat: dict[str, str] | None = None,
         _run(["ip", "netns", "add", topo.router])
         _run(["ip", "-n", topo.router, "link", "set", "lo", "up"])
         _forwarding(topo.router)
-        if nat:
-            from testnet import nat as nat_mod
-
-            nat_mod.prepare_wan(topo, set(nat.values()))
+        if nat and (prepare is None or gateway is None):
+            raise NetnsError("NAT gateways need testnet/nat.py: use nat.create")
+        if nat and prepare is not None:
+            prepare(topo, set(nat.values()))
         for name in names:
-            add(topo, name, (nat or {}).get(name))
+            add(topo, name, (nat or {}).get(name), gateway)
     except BaseException:
         destroy(topo)
         raise
@@ -155,7 +162,8 @@ def _forwarding(namespace: str) -> None:
     _run(["ip", "netns", "exec", namespace, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
 
 
-def add(topo: Topology, name: str, nat_kind: str | None = None) -> None:
+def add(topo: Topology, name: str, nat_kind: str | None = None,
+        gateway: Gateways | None = None) -> None:
     """Give `name` a namespace with a link to the router (a node joining later, too);
     with `nat_kind`, a gateway namespace of that kind sits in between (testnet/nat.py)."""
     if not _NAME.match(name):
@@ -188,9 +196,9 @@ def add(topo: Topology, name: str, nat_kind: str | None = None) -> None:
         for namespace, dev in ((router, f"v{index}"), (wan_end, wan_if)):
             _tbf(namespace, dev, topo.rate)
     if nat_kind is not None:
-        from testnet import nat as nat_mod
-
-        nat_mod.build_gateway(topo, name, nat_kind)
+        if gateway is None:
+            raise NetnsError(f"{name} needs a NAT gateway builder (testnet/nat.py)")
+        gateway(topo, name, nat_kind)
     if topo.cut is not None:  # a newcomer during a cut lands on the side not named
         topo.cut[0].append(name)
         _rules(topo, "add", [[name], topo.cut[1]])

@@ -104,8 +104,8 @@ def test_namespaces_a_crashed_launcher_left_are_removed_by_down(nat_available, t
     directory.mkdir()
     tag = netns.tag_for(str(directory))
     # what an `up` killed between creating the namespaces and recording them leaves
-    netns.create(tag, ["node1", "node2"], nat={"node1": "upnp", "node2": "home"},
-                 workdir=str(directory), detached=True)
+    nat.create(tag, ["node1", "node2"], {"node1": "upnp", "node2": "home"},
+               workdir=str(directory), detached=True)
     inside = subprocess.run(["ip", "netns", "pids", f"pt-{tag}-node1-gw"], capture_output=True,
                             text=True, timeout=10).stdout.split()
     assert inside, "miniupnpd should run in node1's gateway"
