@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -14,6 +15,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.reach import autonat
 from node.reach.autonat import Answer, Verdict
+from node.reach.service import ReachabilityService
+from node.reach.upnp import Mapping
 from p2p.host import DialError, Substrate
 from testnet import stun
 from tests.conftest import run_cli
@@ -111,3 +114,80 @@ def test_stun_ignores_what_is_not_a_binding_request():
 def test_bad_nat_flags_are_one_line_and_exit_2(args, message, tmp_path):
     r = run_cli("testnet", "up", "--dir", str(tmp_path / "tn"), *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+class FakeSubstrate:
+    """What the reach service uses of a substrate, with no peers to ask: the verdict stays
+    as set, so the UPnP timers can be driven alone (the real gateway is in test_nat.py)."""
+
+    peer_id = "me"
+    dht_server = True
+
+    def __init__(self) -> None:
+        self.announced: list[str] = []
+
+    def set_handler(self, protocol, handler) -> None: ...
+    def connected_peers(self) -> list: return []
+    def addrs(self) -> list[str]: return ["/ip4/198.19.9.2/tcp/4001/p2p/me"]
+    def observed_ips(self) -> list[str]: return []
+    def listen_ports(self) -> list[int]: return [4001]
+    def announce(self, addr: str) -> None: self.announced.append(addr)
+    def withdraw(self, addr: str) -> None: self.announced.remove(addr)
+
+    async def set_dht_server(self, server: bool) -> None:
+        self.dht_server = server
+
+
+class FakeGateway:
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.url = None
+        self.fail = fail
+        self.maps: list[float] = []
+        self.unmapped: list[Mapping] = []
+
+    async def discover(self) -> str:
+        self.url = "http://198.19.9.1/ctl"
+        return self.url
+
+    async def map(self, port: int, lease_s: int) -> Mapping:
+        self.maps.append(trio.current_time())
+        if self.fail is not None:
+            raise self.fail
+        return Mapping("198.18.9.2", port, "198.19.9.2", port, lease_s)
+
+    async def unmap(self, mapping: Mapping) -> None:
+        self.unmapped.append(mapping)
+
+
+async def _run_private(svc: ReachabilityService, sub: FakeSubstrate, seconds: float) -> None:
+    svc.state = "private"
+    with trio.move_on_after(seconds):
+        await svc.run(SimpleNamespace(substrate=sub))  # type: ignore[arg-type]
+
+
+async def test_a_mapping_is_announced_renewed_at_half_lease_and_removed_on_stop(
+    autojump_clock,
+):
+    sub, gw = FakeSubstrate(), FakeGateway()
+    svc = ReachabilityService(lease_s=100, gateway=gw)  # type: ignore[arg-type]
+    start = trio.current_time()
+    await _run_private(svc, sub, 160)
+    assert [round(t - start) for t in gw.maps] == [0, 50, 100, 150]
+    assert svc.renewals == 3
+    assert [m.multiaddr for m in gw.unmapped] == ["/ip4/198.18.9.2/tcp/4001"]
+    assert sub.announced == [] and svc.mapping is None and svc.upnp_state == "removed"
+
+
+async def test_a_gateway_that_answers_garbage_leaves_the_node_private_and_retrying(
+    autojump_clock,
+):
+    sub, gw = FakeSubstrate(), FakeGateway(fail=ValueError("not XML"))
+    svc = ReachabilityService(gateway=gw, upnp_retry_s=600)  # type: ignore[arg-type]
+    start = trio.current_time()
+    await _run_private(svc, sub, 700)
+    st = svc.statistics()
+    assert st["reachability"] == "private" and st["dht"] == "client"
+    assert st["upnp"]["state"] == "failed"
+    assert st["upnp"]["error"] == "the gateway's answer broke miniupnpc (ValueError('not XML'))"
+    assert [round(t - start) for t in gw.maps] == [0, 600]  # retried after upnp_retry_s
+    assert sub.announced == [] and gw.unmapped == []

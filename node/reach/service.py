@@ -136,7 +136,7 @@ class ReachabilityService:
         if not self.upnp_enabled or self.state != "private" or self.mapping is not None:
             return False
         failed = self._upnp_failed_at
-        return failed is None or time.monotonic() - failed >= self.upnp_retry_s
+        return failed is None or trio.current_time() - failed >= self.upnp_retry_s
 
     async def _map(self, sub: Substrate, nursery: trio.Nursery) -> None:
         ports = sub.listen_ports()
@@ -151,7 +151,7 @@ class ReachabilityService:
             if not isinstance(e, UpnpError):
                 e = UpnpError(f"the gateway's answer broke miniupnpc ({e!r})")
             self.upnp_state, self.upnp_error = "failed", str(e)
-            self._upnp_failed_at = time.monotonic()
+            self._upnp_failed_at = trio.current_time()
             log.warning("upnp: %s; staying %s (retry in %.0f s)", e, self.state,
                         self.upnp_retry_s)
             return
