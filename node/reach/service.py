@@ -114,15 +114,14 @@ class ReachabilityService:
                 nursery.start_soon(one, server)
         before = self.state
         state = Verdict(answers).decide(self.confirmations)
-        if state != "unknown" or not answers:
-            self.state = state if answers else self.state
         self.answers = answers
-        reached = {a.addr for a in answers if a.status == "reached"}
-        self.via = None
-        if self.state == "public":
+        if state != "unknown":  # no peers, errors or disagreement: keep what we knew
+            self.state = state
+            reached = {a.addr for a in answers if a.status == "reached"}
             mapped = self.mapping.multiaddr if self.mapping else None
-            self.via = "upnp" if mapped and any(r and r.startswith(mapped) for r in reached) \
-                else "direct"
+            self.via = None if state != "public" else (
+                "upnp" if mapped and any(r and r.startswith(mapped) for r in reached)
+                else "direct")
         self.checks += 1
         self.checked_at = time.time()
         if self.state != before:
