@@ -73,6 +73,9 @@ def up(
     rate: Annotated[str | None, typer.Option(
         help="partition/nat scenario: every WAN link's rate both ways, e.g. 100mbit (tc tbf).")]
     = None,
+    rtt: Annotated[str | None, typer.Option(
+        help="partition/nat scenario: round-trip time added between any two namespaces, e.g. "
+             "50ms (a userspace delay line in the router).")] = None,
 ) -> None:
     """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
     directory = directory or launcher.default_dir()
@@ -83,6 +86,7 @@ def up(
     if nat_kinds is not None:
         nodes = len(nat_kinds)
     rate = _rate(scenario, rate)
+    rtt_ms = _rtt(scenario, rtt)
     churn_config = _churn_config(scenario, nodes, kill_rate, duration, seed, poisson)
     for flag, value in (("--nodes", nodes), ("--honest", honest), ("--sybils", sybils)):
         if value is not None and value < 1:
@@ -115,7 +119,7 @@ def up(
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
                               aggregator=aggregator, netns=scenario == "partition",
-                              churn=churn_config, rate=rate,
+                              churn=churn_config, rate=rate, rtt_ms=rtt_ms,
                               nat={f"node{i}": k for i, k in enumerate(nat_kinds or [], 1)
                                    if k != "public"} if scenario == "nat" else None,
                               on_progress=lambda m: spinner.update(m))
@@ -202,6 +206,17 @@ def _rate(scenario: str | None, rate: str | None) -> str | None:
     if not re.fullmatch(r"[1-9][0-9]*(kbit|mbit|gbit)", rate):
         raise fail(f"--rate {rate}: expected a rate such as 100mbit, 500kbit or 1gbit", 2)
     return rate
+
+
+def _rtt(scenario: str | None, rtt: str | None) -> float | None:
+    if rtt is None:
+        return None
+    if scenario not in ("partition", "nat"):
+        raise fail("--rtt applies to the partition and nat scenarios (network namespaces)", 2)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)ms", rtt)
+    if not m or not 0 < float(m[1]) <= 10_000:
+        raise fail(f"--rtt {rtt}: expected milliseconds such as 50ms (at most 10000ms)", 2)
+    return float(m[1])
 
 
 def _churn_config(scenario: str | None, nodes: int, rate: float | None,

@@ -156,7 +156,8 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
        sybils: int = 0, attack: str | None = None, aggregator: str | None = None,
        netns: bool = False, neighbours: dict[str, list[str]] | None = None,
        churn: ChurnConfig | None = None, nat: dict[str, str] | None = None,
-       rate: str | None = None, on_progress=lambda msg: None) -> Testnet:
+       rate: str | None = None, rtt_ms: float | None = None,
+       on_progress=lambda msg: None) -> Testnet:
     """Start a bootstrap and `nodes` nodes; return once every node is running.
 
     With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
@@ -168,7 +169,8 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
     on who meets whom becomes deterministic. Processes not named keep the run's pairing.
     `churn`: once every node runs, start killing and restarting nodes (testnet/churn.py).
     `nat` (implies `netns`): node name -> NAT kind (testnet/nat.py) for nodes behind a NAT
-    gateway; the rest and the bootstrap are public. `rate` shapes every WAN link (tc tbf).
+    gateway; the rest and the bootstrap are public. `rate` shapes every WAN link (tc tbf);
+    `rtt_ms` adds that round-trip time between any two namespaces (testnet/delay.py).
     """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
@@ -213,10 +215,11 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             try:
                 if nat:
                     topo = nat_mod.create(ns.tag_for(str(directory)), names, nat, rate=rate,
-                                          workdir=str(directory), detached=detached)
+                                          rtt_ms=rtt_ms, workdir=str(directory),
+                                          detached=detached)
                 else:
                     topo = ns.create(ns.tag_for(str(directory)), names, rate=rate,
-                                     workdir=str(directory), detached=detached)
+                                     rtt_ms=rtt_ms, workdir=str(directory), detached=detached)
             except ns.NetnsError as e:
                 raise TestnetError(f"cannot create the network namespaces: {e}") from e
             net.netns = topo.to_json()

@@ -27,9 +27,7 @@ Helper processes (STUN responder, miniupnpd) are killed with their namespace
 
 from __future__ import annotations
 
-import ctypes
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -56,23 +54,12 @@ def missing_tools(kinds: set[str]) -> str | None:
     return None
 
 
-def _pdeathsig() -> None:  # in the child: die with the launcher (foreground testnets)
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def _spawn(namespace: str, argv: list[str], log: Path, detached: bool) -> int:
-    with open(log, "ab") as out:
-        p = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], stdin=subprocess.DEVNULL,
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=None if detached else _pdeathsig)
-    return p.pid
-
-
 def create(tag: str, names: list[str], kinds: dict[str, str], *, rate: str | None = None,
-           workdir: str = "/tmp", detached: bool = False) -> ns.Topology:
+           rtt_ms: float | None = None, workdir: str = "/tmp",
+           detached: bool = False) -> ns.Topology:
     """netns.create with the names in `kinds` behind NAT gateways of those kinds."""
-    return ns.create(tag, names, nat=kinds, rate=rate, workdir=workdir, detached=detached,
-                     prepare=prepare_wan, gateway=build_gateway)
+    return ns.create(tag, names, nat=kinds, rate=rate, rtt_ms=rtt_ms, workdir=workdir,
+                     detached=detached, prepare=prepare_wan, gateway=build_gateway)
 
 
 def prepare_wan(topo: ns.Topology, kinds: set[str]) -> None:
@@ -87,9 +74,9 @@ def prepare_wan(topo: ns.Topology, kinds: set[str]) -> None:
     if kinds & {"upnp", "upnp-deny"}:
         for ip in (STUN_IP, STUN_ALT_IP):
             ns._run(["ip", "-n", topo.router, "addr", "add", f"{ip}/32", "dev", "lo"])
-        _spawn(topo.router, [sys.executable, "-m", "testnet.stun", "--ip", STUN_IP,
-                             "--alt-ip", STUN_ALT_IP, "--port", str(STUN_PORT)],
-               Path(topo.workdir) / "stun.log", topo.detached)
+        ns.spawn_helper(topo, topo.router, [sys.executable, "-m", "testnet.stun", "--ip",
+                                            STUN_IP, "--alt-ip", STUN_ALT_IP, "--port",
+                                            str(STUN_PORT)], "stun.log")
 
 
 def _ruleset(kind: str, node_ip: str) -> str:
@@ -188,9 +175,9 @@ def _start_miniupnpd(topo: ns.Topology, name: str, refuse: bool) -> None:
     conf = work / f"miniupnpd-{name}.conf"
     conf.write_text(miniupnpd_conf(topo, name, refuse))
     # -d: stay in the foreground, log to stderr (into the log file); -P: its pid file
-    _spawn(topo.gateway(name), [MINIUPNPD, "-d", "-f", str(conf),
-                                "-P", str(work / f"miniupnpd-{name}.pid")],
-           work / f"miniupnpd-{name}.log", topo.detached)
+    ns.spawn_helper(topo, topo.gateway(name), [MINIUPNPD, "-d", "-f", str(conf), "-P",
+                                               str(work / f"miniupnpd-{name}.pid")],
+                    f"miniupnpd-{name}.log")
     # Ready once it listens for SSDP on the LAN (UDP 1900): wait, bounded.
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:

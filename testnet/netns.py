@@ -24,14 +24,18 @@ everything, including what a crashed launcher left behind. Needs root.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUBNET = "198.18"  # WAN links: 198.18.<i>.0/24, <i> from 1
@@ -39,6 +43,7 @@ LAN_SUBNET = "198.19"  # a NATed node's LAN: 198.19.<i>.0/24, gateway .1, node .
 PREFIX = "pt-"  # every namespace of every testnet; <tag> then names one testnet
 MAX_NODES = 250
 RULE_PREF = 1000  # all partition rules share one priority: `heal` deletes exactly those
+DELAY_PREF, DELAY_TABLE, DELAY_DEV = 2000, 100, "dly0"  # after the partition rules
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 
 
@@ -88,6 +93,7 @@ class Topology:
     shaped: dict[str, int] = field(default_factory=dict)  # name -> uplink Mbit/s
     nat: dict[str, str] = field(default_factory=dict)  # name -> NAT kind (testnet/nat.py)
     rate: str | None = None  # every WAN link's rate, both ways (tc tbf), e.g. "100mbit"
+    rtt_ms: float | None = None  # added round-trip time across the WAN (testnet/delay.py)
     workdir: str = "/tmp"  # where helpers (STUN responder, miniupnpd) keep config and logs
     detached: bool = False  # helpers outlive the launcher (else they die with it)
 
@@ -131,21 +137,24 @@ Gateways = Callable[[Topology, str, str], None]  # (topology, node name, NAT kin
 
 
 def create(tag: str, names: list[str], *, nat: dict[str, str] | None = None,
-           rate: str | None = None, workdir: str = "/tmp", detached: bool = False,
-           prepare: Callable[[Topology, set[str]], None] | None = None,
+           rate: str | None = None, rtt_ms: float | None = None, workdir: str = "/tmp",
+           detached: bool = False, prepare: Callable[[Topology, set[str]], None] | None = None,
            gateway: Gateways | None = None) -> Topology:
     """The router and one namespace per name; on failure everything created is removed.
 
     `nat` puts some names behind a NAT gateway of that kind, which `gateway` builds once
     the WAN link is up (`prepare` readies the WAN first): testnet/nat.py's `create` passes
-    both. `rate` shapes every WAN link both ways (tc tbf, e.g. "100mbit")."""
-    topo = Topology(tag, rate=rate, workdir=workdir, detached=detached)
+    both. `rate` shapes every WAN link both ways (tc tbf, e.g. "100mbit"); `rtt_ms` delays
+    every packet crossing the router by half of it (testnet/delay.py)."""
+    topo = Topology(tag, rate=rate, rtt_ms=rtt_ms, workdir=workdir, detached=detached)
     for stale in existing(tag):  # left by a crashed launcher of the same directory
         _delete(stale)
     try:
         _run(["ip", "netns", "add", topo.router])
         _run(["ip", "-n", topo.router, "link", "set", "lo", "up"])
         _forwarding(topo.router)
+        if rtt_ms:
+            _start_delay(topo, rtt_ms)
         if nat and (prepare is None or gateway is None):
             raise NetnsError("NAT gateways need testnet/nat.py: use nat.create")
         if nat and prepare is not None:
@@ -195,6 +204,9 @@ def add(topo: Topology, name: str, nat_kind: str | None = None,
     if topo.rate:
         for namespace, dev in ((router, f"v{index}"), (wan_end, wan_if)):
             _tbf(namespace, dev, topo.rate)
+    if topo.rtt_ms:  # what arrives from this link goes through the delay line
+        _run(["ip", "-n", router, "rule", "add", "iif", f"v{index}", "lookup", str(DELAY_TABLE),
+              "pref", str(DELAY_PREF)])
     if nat_kind is not None:
         if gateway is None:
             raise NetnsError(f"{name} needs a NAT gateway builder (testnet/nat.py)")
@@ -202,6 +214,41 @@ def add(topo: Topology, name: str, nat_kind: str | None = None,
     if topo.cut is not None:  # a newcomer during a cut lands on the side not named
         topo.cut[0].append(name)
         _rules(topo, "add", [[name], topo.cut[1]])
+
+
+def _pdeathsig() -> None:  # in the child: die with the launcher (foreground testnets)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def spawn_helper(topo: Topology, namespace: str, argv: list[str], log_name: str) -> int:
+    """Start a helper process (STUN responder, miniupnpd, delay line) inside `namespace`;
+    its output goes to `log_name` in the testnet's directory. `destroy` kills it."""
+    with open(os.path.join(topo.workdir, log_name), "ab") as out:
+        p = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], stdin=subprocess.DEVNULL,
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=None if topo.detached else _pdeathsig)
+    return p.pid
+
+
+def _start_delay(topo: Topology, rtt_ms: float) -> None:
+    """The router's delay line: a TUN device fed by policy routing (testnet/delay.py)."""
+    router = topo.router
+    spawn_helper(topo, router, [sys.executable, "-m", "testnet.delay", "--dev", DELAY_DEV,
+                                "--delay-ms", f"{rtt_ms / 2:g}"], "delay.log")
+    deadline = time.monotonic() + 10.0
+    while subprocess.run(["ip", "-n", router, "link", "show", DELAY_DEV], capture_output=True,
+                         timeout=10).returncode != 0:
+        if time.monotonic() > deadline:
+            log = Path(topo.workdir, "delay.log").read_text(errors="replace")[-500:]
+            raise NetnsError(f"the delay line did not start: {log}")
+        time.sleep(0.05)
+    _run(["ip", "-n", router, "link", "set", DELAY_DEV, "up"])
+    _run(["ip", "-n", router, "route", "add", "default", "dev", DELAY_DEV, "table",
+          str(DELAY_TABLE)])
+    # packets come back in on dly0 with sources from every link: no reverse-path check
+    _run(["ip", "netns", "exec", router, "sh", "-c",
+          f"for f in all default {DELAY_DEV}; do echo 0 > /proc/sys/net/ipv4/conf/$f/rp_filter;"
+          " done"])
 
 
 def _tbf(namespace: str, dev: str, rate: str) -> None:

@@ -113,3 +113,44 @@ def test_namespaces_a_crashed_launcher_left_are_removed_by_down(nat_available, t
     assert netns.existing(tag) == []
     for pid in inside:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+ECHO_RTT = """
+import socket, sys, time
+deadline = time.monotonic() + 20
+while True:  # until the server (started just before) listens
+    try:
+        s = socket.create_connection((sys.argv[1], 7000), timeout=10)
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+best = 1e9
+for _ in range(5):
+    t = time.perf_counter(); s.sendall(b"x"); s.recv(1); best = min(best, time.perf_counter() - t)
+print(best * 1000)
+"""
+ECHO_SERVER = """
+import socket
+s = socket.create_server(("0.0.0.0", 7000)); c, _ = s.accept()
+while (d := c.recv(1)): c.sendall(d)
+"""
+
+
+@pytest.mark.slow  # namespaces and a delay line, no node process
+def test_the_delay_line_adds_the_round_trip_time_through_a_nat(nat_available, tmp_path):
+    tag = netns.tag_for(str(tmp_path))
+    topo = nat.create(tag, ["a", "b"], {"b": "home"}, rtt_ms=40, rate="100mbit",
+                      workdir=str(tmp_path))
+    try:
+        server = subprocess.Popen([*topo.exec_prefix("a"), sys.executable, "-c", ECHO_SERVER])
+        r = subprocess.run([*topo.exec_prefix("b"), sys.executable, "-c", ECHO_RTT,
+                            topo.wan_ip("a")], capture_output=True, text=True, timeout=60)
+        server.kill()
+        server.wait(timeout=10)
+        # every packet is held 20 ms each way: no round trip can be shorter than 40 ms
+        assert r.returncode == 0 and float(r.stdout) >= 40.0, (r.stdout, r.stderr)
+    finally:
+        netns.destroy(topo)
+    assert netns.existing(tag) == []

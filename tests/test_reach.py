@@ -110,6 +110,8 @@ def test_stun_ignores_what_is_not_a_binding_request():
     (["--scenario", "nat", "--rate", "fast"], "--rate fast: expected a rate such as 100mbit"),
     (["--kinds", "home"], "--kinds applies to the nat scenario only"),
     (["--rate", "10mbit"], "--rate applies to the partition and nat scenarios"),
+    (["--scenario", "nat", "--rtt", "50"], "--rtt 50: expected milliseconds such as 50ms"),
+    (["--rtt", "50ms"], "--rtt applies to the partition and nat scenarios"),
 ])
 def test_bad_nat_flags_are_one_line_and_exit_2(args, message, tmp_path):
     r = run_cli("testnet", "up", "--dir", str(tmp_path / "tn"), *args)
