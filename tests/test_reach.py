@@ -4,6 +4,7 @@ rule, the STUN responder miniupnpd's check relies on, and the nat scenario's bad
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -193,3 +194,26 @@ async def test_a_gateway_that_answers_garbage_leaves_the_node_private_and_retryi
     assert st["upnp"]["error"] == "the gateway's answer broke miniupnpc (ValueError('not XML'))"
     assert [round(t - start) for t in gw.maps] == [0, 600]  # retried after upnp_retry_s
     assert sub.announced == [] and gw.unmapped == []
+
+
+async def test_garbage_on_the_autonat_protocol_ends_that_stream_only():
+    server, client = (Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+                      for _ in range(2))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        await nursery.start(client.serve)
+        server.set_handler(autonat.PROTOCOL_ID, autonat.server_handler(server))
+        await client.connect(server.addrs()[0])
+        for garbage in (b"\x05hello", b"\xff\xff\xff\xff\x0f" + b"x" * 100, b"\x02\x08\x63"):
+            stream = await client.open_stream(server.peer_id, autonat.PROTOCOL_ID)
+            await stream.write(garbage)
+            with trio.fail_after(30):
+                with contextlib.suppress(Exception):
+                    await stream.read(1024)  # an error answer or the stream's end
+            with contextlib.suppress(Exception):
+                await stream.close()
+        listening = [a.split("/p2p/")[0] for a in client.addrs()]
+        with trio.fail_after(30):
+            assert (await autonat.ask(client, server.peer_id, listening)).status == "reached"
+        assert server.stats.restarts == 0
+        nursery.cancel_scope.cancel()
