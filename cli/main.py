@@ -52,6 +52,9 @@ Metrics = Annotated[str | None, typer.Option(
     show_default=False)]
 NoMetrics = Annotated[bool | None, typer.Option(
     "--no-metrics", help="Serve no metrics port.", show_default=False)]
+NoUpnp = Annotated[bool | None, typer.Option(
+    "--no-upnp", help="Never ask the LAN's gateway for a port mapping (docs/nat.md).",
+    show_default=False)]
 Config = config_cmd.ConfigOpt
 BOOTSTRAP_PORT = 4101  # `node bootstrap`'s default: a fixed port to forward and hand out
 BOOTSTRAP_LISTEN = f"/ip4/0.0.0.0/tcp/{BOOTSTRAP_PORT}"
@@ -129,6 +132,7 @@ def join(
     log_level: LogLevel = None,
     metrics: Metrics = None,
     no_metrics: NoMetrics = None,
+    no_upnp: NoUpnp = None,
     config: Config = None,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -151,10 +155,11 @@ def join(
         "bootstrap": bootstrap, "state_dir": state_dir, "listen": listen, "announce": announce,
         "mdns": mdns, "device": device, "join_timeout": join_timeout, "no_train": no_train,
         "data": data, "attack": attack, "neighbour": neighbour, "log_level": log_level,
-        "metrics": metrics, "no_metrics": no_metrics,
+        "metrics": metrics, "no_metrics": no_metrics, "no_upnp": no_upnp,
     }, {"bootstrap": [], "state_dir": None, "listen": None, "announce": [], "mdns": True,
         "device": "auto", "join_timeout": 30.0, "no_train": False, "data": [], "attack": None,
-        "neighbour": [], "log_level": "info", "metrics": None, "no_metrics": False})
+        "neighbour": [], "log_level": "info", "metrics": None, "no_metrics": False,
+        "no_upnp": False})
     if ticket_addrs:
         v["bootstrap_from"] = "--bootstrap and the ticket" if bootstrap else "the ticket"
         v["bootstrap"] = [*(bootstrap or []), *ticket_addrs]
@@ -181,7 +186,7 @@ def join(
         state_dir=state_dir, run_id=run_id, bootstrap=boot, bootstrap_from=v["bootstrap_from"],
         listen=listen, announce=announce_addrs(v["announce"]), mdns=v["mdns"], device=device,
         join_timeout_s=join_timeout, train=not v["no_train"], data=files, attack=attack,
-        neighbours=list(v["neighbour"]), **metrics_at)
+        neighbours=list(v["neighbour"]), upnp=not v["no_upnp"], **metrics_at)
     run_async(lambda: run_node(node_config))
 
 
@@ -197,6 +202,7 @@ def bootstrap_cmd(
     log_level: LogLevel = None,
     metrics: Metrics = None,
     no_metrics: NoMetrics = None,
+    no_upnp: NoUpnp = None,
     config: Config = None,
 ) -> None:
     """Run a bootstrap peer: a DHT and gossip entry point serving the runs it holds."""
@@ -205,8 +211,10 @@ def bootstrap_cmd(
     v = config_cmd.effective("bootstrap", config, {
         "state_dir": state_dir, "listen": listen, "announce": announce, "bootstrap": bootstrap,
         "mdns": mdns, "log_level": log_level, "metrics": metrics, "no_metrics": no_metrics,
+        "no_upnp": no_upnp,
     }, {"state_dir": None, "listen": [BOOTSTRAP_LISTEN], "announce": [], "bootstrap": [],
-        "mdns": True, "log_level": "info", "metrics": None, "no_metrics": False})
+        "mdns": True, "log_level": "info", "metrics": None, "no_metrics": False,
+        "no_upnp": False})
     listen = checks.listen_addrs(v["listen"])
     log_level = checks.log_level(v["log_level"])
     boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
@@ -216,7 +224,7 @@ def bootstrap_cmd(
     node_config = NodeConfig(state_dir=state_dir, run_id=None, bootstrap=boot,
                              bootstrap_from=v["bootstrap_from"], listen=listen,
                              announce=announce_addrs(v["announce"]), mdns=v["mdns"],
-                             **metrics_at)
+                             upnp=not v["no_upnp"], **metrics_at)
     run_async(lambda: run_node(node_config))
 
 

@@ -28,6 +28,9 @@ def node_status_table(st: dict[str, Any]) -> Group:
     p2p = st.get("p2p") or {}
     head.add_row("connections", f"{p2p.get('connections', 0)} "
                  f"(DHT table {p2p.get('dht_routing_table', 0)})")
+    reach = st.get("reach")
+    if reach:
+        head.add_row("reachability", reach_line(reach))
     t = st.get("training")
     if t:
         head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
@@ -49,6 +52,23 @@ def node_status_table(st: dict[str, Any]) -> Group:
     if bans:
         parts += [Text(""), _bans(bans)]
     return Group(*parts)
+
+
+def reach_line(reach: dict[str, Any]) -> Text:
+    """`public via upnp (DHT server); upnp: mapped /ip4/...` or the gateway's refusal."""
+    state = reach.get("reachability", "unknown")
+    colour = {"public": "green", "private": "yellow"}.get(state, "")
+    line = Text(state, colour)
+    if reach.get("via"):
+        line.append(f" via {reach['via']}")
+    line.append(f" (DHT {reach.get('dht', '?')})")
+    upnp = reach.get("upnp") or {}
+    if upnp.get("mapping"):
+        line.append(f"; upnp: {upnp['mapping']}")
+    elif upnp.get("error"):
+        line.append("; upnp: ")
+        line.append(upnp["error"], "red")
+    return line
 
 
 def _bans(bans: dict[str, dict[str, Any]]) -> Table:

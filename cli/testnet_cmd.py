@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import threading
 from datetime import datetime
@@ -16,12 +17,13 @@ from rich.live import Live
 from cli import checks
 from cli.common import err, fail, out
 from cli.render import testnet_table
-from testnet import churn, launcher, netns
+from testnet import churn, launcher, nat, netns
 
 app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
                                               "(or in network namespaces, as root).")
 
 AGGREGATORS = ("mean", "vc", "median", "krum", "foolsgold", "sybilwall")
+NAT_DEFAULT = ("public", "fullcone", "home", "symmetric", "upnp")
 Dir = Annotated[Path | None, typer.Option("--dir", help="Where the testnet keeps its state.")]
 
 
@@ -44,7 +46,8 @@ def up(
         help="'sybil': --honest nodes plus one attacker with --sybils identities sending a "
              "poisoned model (docs/robustness.md). 'partition' (root): every process in a "
              "network namespace of its own, for `node testnet partition` and `heal`. "
-             "'churn': SIGKILL and restart random nodes at --kill-rate (docs/operator.md).")]
+             "'churn': SIGKILL and restart random nodes at --kill-rate (docs/operator.md). "
+             "'nat' (root): a WAN with nodes behind NATs of --kinds (docs/nat.md).")]
     = None,
     honest: Annotated[int | None, typer.Option(help="sybil scenario: honest nodes.")] = None,
     sybils: Annotated[int, typer.Option(help="sybil scenario: the attacker's identities.")] = 4,
@@ -63,12 +66,27 @@ def up(
     poisson: Annotated[bool, typer.Option(
         "--poisson", help="churn scenario: Poisson kill times instead of a fixed interval.")]
     = False,
+    kinds: Annotated[str | None, typer.Option(
+        help="nat scenario: one kind per node, comma-separated, from public, fullcone, home, "
+             "symmetric, upnp (default: public,fullcone,home,symmetric,upnp; overrides "
+             "--nodes). The bootstrap is always public.")] = None,
+    rate: Annotated[str | None, typer.Option(
+        help="partition/nat scenario: every WAN link's rate both ways, e.g. 100mbit (tc tbf).")]
+    = None,
+    rtt: Annotated[str | None, typer.Option(
+        help="partition/nat scenario: round-trip time added between any two namespaces, e.g. "
+             "50ms (a userspace delay line in the router).")] = None,
 ) -> None:
     """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
     directory = directory or launcher.default_dir()
     extra = ["--no-train"] if no_train else []
-    if scenario not in (None, "sybil", "partition", "churn"):
-        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn", 2)
+    if scenario not in (None, "sybil", "partition", "churn", "nat"):
+        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat", 2)
+    nat_kinds = _nat_kinds(scenario, kinds)
+    if nat_kinds is not None:
+        nodes = len(nat_kinds)
+    rate = _rate(scenario, rate)
+    rtt_ms = _rtt(scenario, rtt)
     churn_config = _churn_config(scenario, nodes, kill_rate, duration, seed, poisson)
     for flag, value in (("--nodes", nodes), ("--honest", honest), ("--sybils", sybils)):
         if value is not None and value < 1:
@@ -83,6 +101,11 @@ def up(
         if reason:
             raise fail(f"--scenario partition puts each node in a network namespace: {reason}",
                        2)
+    if scenario == "nat":
+        manifest = manifest or launcher.scenario_manifest_path("partition")
+        reason = netns.available() or nat.missing_tools(set(nat_kinds or ()))
+        if reason:
+            raise fail(f"--scenario nat builds NATs in network namespaces: {reason}", 2)
     if scenario == "churn":
         manifest = manifest or launcher.scenario_manifest_path("churn")
     if scenario == "sybil":
@@ -96,7 +119,10 @@ def up(
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
                               aggregator=aggregator, netns=scenario == "partition",
-                              churn=churn_config, on_progress=lambda m: spinner.update(m))
+                              churn=churn_config, rate=rate, rtt_ms=rtt_ms,
+                              nat={f"node{i}": k for i, k in enumerate(nat_kinds or [], 1)
+                                   if k != "public"} if scenario == "nat" else None,
+                              on_progress=lambda m: spinner.update(m))
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
@@ -155,6 +181,42 @@ def status(
                           "churn": churning, "processes": rows}, indent=2))
     else:
         out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width, churn=churning))
+
+
+def _nat_kinds(scenario: str | None, kinds: str | None) -> list[str] | None:
+    """The nat scenario's node kinds, in node order; a bad list is one line and exit 2."""
+    if scenario != "nat":
+        if kinds is not None:
+            raise fail("--kinds applies to the nat scenario only: add --scenario nat", 2)
+        return None
+    names = [k.strip() for k in (kinds or ",".join(NAT_DEFAULT)).split(",") if k.strip()]
+    known = ("public", *nat.KINDS)
+    bad = [k for k in names if k not in known]
+    if bad or not names:
+        raise fail(f"--kinds {kinds}: expected a comma-separated list of {', '.join(known)}",
+                   2)
+    return names
+
+
+def _rate(scenario: str | None, rate: str | None) -> str | None:
+    if rate is None:
+        return None
+    if scenario not in ("partition", "nat"):
+        raise fail("--rate applies to the partition and nat scenarios (network namespaces)", 2)
+    if not re.fullmatch(r"[1-9][0-9]*(kbit|mbit|gbit)", rate):
+        raise fail(f"--rate {rate}: expected a rate such as 100mbit, 500kbit or 1gbit", 2)
+    return rate
+
+
+def _rtt(scenario: str | None, rtt: str | None) -> float | None:
+    if rtt is None:
+        return None
+    if scenario not in ("partition", "nat"):
+        raise fail("--rtt applies to the partition and nat scenarios (network namespaces)", 2)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)ms", rtt)
+    if not m or not 0 < float(m[1]) <= 10_000:
+        raise fail(f"--rtt {rtt}: expected milliseconds such as 50ms (at most 10000ms)", 2)
+    return float(m[1])
 
 
 def _churn_config(scenario: str | None, nodes: int, rate: float | None,

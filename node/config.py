@@ -53,6 +53,8 @@ class NodeConfig:
     neighbours: list[str] = field(default_factory=list)
     # What this node gives each peer and all of them (streams, buffered bytes, connections
     # per IP), and how misbehaviour is scored and banned: docs/robustness.md lists both.
+    # An unreachable node asks its LAN's UPnP gateway for a port mapping (node/reach/).
+    upnp: bool = True
     budget: BudgetLimits = field(default_factory=BudgetLimits)
     scoring: ScoreSettings = field(default_factory=ScoreSettings)
     # The metrics port (Prometheus /metrics, the status page): (host, port), or None for

@@ -81,6 +81,7 @@ class CommonKeys(_Table):
     log_level: LogLevel | None = Field(None, alias="log-level")
     metrics: Annotated[str, Field(min_length=1, max_length=300)] | None = None
     no_metrics: bool | None = Field(None, alias="no-metrics")
+    no_upnp: bool | None = Field(None, alias="no-upnp")
 
 
 class JoinKeys(CommonKeys):
@@ -266,6 +267,8 @@ TEMPLATE = """\
 # log-level = "info"
 # Prometheus /metrics and the status page (default 127.0.0.1:9470), or no-metrics = true:
 # metrics = "127.0.0.1:9470"
+# Never ask the LAN's gateway for a UPnP port mapping (docs/nat.md):
+# no-upnp = false
 
 [join]
 # device = "auto"

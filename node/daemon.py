@@ -40,6 +40,7 @@ from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
 from node.metrics.service import MetricsService
+from node.reach.service import ReachabilityService
 from node.run.manifest import ManifestService
 from node.run.rundoc_sync import RunDocSync, load_document, stamps
 from node.run.store import RunStore
@@ -96,6 +97,7 @@ class Node:
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
             self.redialer,
+            ReachabilityService(upnp=config.upnp),
             *([self.mdns] if self.mdns else []),
         ]
 

@@ -16,6 +16,7 @@ stream is budgeted, scored and, where it has one, held to its deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIP_10
@@ -116,9 +118,10 @@ class Substrate:
     ) -> None:
         self.key_pair = key_pair
         self.listen = [multiaddr.Multiaddr(a) for a in listen]
-        # Advertised first (identify, heartbeats, tickets), then the listen addresses: a
-        # node behind a port forward is dialed there from outside, on its LAN address inside.
-        self.announce = [multiaddr.Multiaddr(a) for a in announce]
+        # --announce: advertised first (identify, heartbeats, tickets), then the listen
+        # addresses: a node behind a port forward is dialed there from outside, on its LAN
+        # address inside.
+        self._configured = [multiaddr.Multiaddr(a) for a in announce]
         self.gossip_settings = gossip or GossipSettings()
         self.max_restarts = max_restarts
         self._validators = dict(dht_protocol_validators or {})
@@ -130,6 +133,10 @@ class Substrate:
         self.pubsub: Pubsub | None = None
         self.ready = trio.Event()
         self.peer_id = ID.from_pubkey(key_pair.public_key)
+        # Addresses we advertise beside our listen addresses (a UPnP mapping): identify,
+        # peer records and addrs() include them (py-libp2p's addrs_factory).
+        self._announced: list[multiaddr.Multiaddr] = []
+        self.dht_server = True  # False: the DHT runs in client mode (an unreachable node)
 
     # -- handlers -----------------------------------------------------------------
 
@@ -170,7 +177,7 @@ class Substrate:
                                              noise_privkey=create_x25519_key_pair().private_key)},
             muxer_opt={YAMUX_ID: Yamux},
             listen_addrs=self.listen,
-            addrs_factory=self._announced_first if self.announce else None,
+            addrs_factory=self._advertised,
         )
         g = self.gossip_settings
         router = GossipSub(
@@ -196,6 +203,8 @@ class Substrate:
         for protocol, handler in self._handlers.items():
             host.set_stream_handler(TProtocol(protocol), self.gate.guard(protocol, handler))
         self.gate.attach(host)
+        if not self.dht_server:  # a restart keeps the mode reachability decided
+            await dht.kad.switch_mode(DHTMode.CLIENT)
         async with (host.run(listen_addrs=self.listen), background_trio_service(pubsub),
                     background_trio_service(router), dht.running(),
                     trio.open_nursery() as nursery):
@@ -207,9 +216,6 @@ class Substrate:
             task_status.started()
             await trio.sleep(math.inf)  # cancelled by the node's shutdown
 
-    def _announced_first(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        return [*self.announce, *(c for c in candidates if c not in self.announce)]
-
     # -- conveniences ---------------------------------------------------------------
 
     def addrs(self) -> list[str]:
@@ -217,6 +223,91 @@ class Substrate:
         if self.host is None:
             return []
         return [str(a) for a in self.host.get_addrs()]
+
+    def _advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        """--announce addresses, our listen addresses, then those announced at run time."""
+        out: list[multiaddr.Multiaddr] = []
+        for a in [*self._configured, *candidates, *self._announced]:
+            if all(str(a) != str(b) for b in out):
+                out.append(a)
+        return out
+
+    def announce(self, addr: str) -> None:
+        """Advertise `addr` (no /p2p suffix) as well as our listen addresses."""
+        if all(str(a) != addr for a in self._announced):
+            self._announced.append(multiaddr.Multiaddr(addr))
+
+    def withdraw(self, addr: str) -> None:
+        self._announced = [a for a in self._announced if str(a) != addr]
+
+    def listen_ports(self) -> list[int]:
+        """The TCP ports we listen on (bound: port 0 resolved)."""
+        if self.host is None:
+            return []
+        ports = []
+        for a in self.host.get_transport_addrs():
+            try:
+                ports.append(int(a.value_for_protocol("tcp")))
+            except Exception:
+                continue
+        return sorted(set(ports))
+
+    def observed_ips(self) -> list[str]:
+        """IPv4 addresses peers saw us connect from (identify's observed addresses, one
+        observer is enough): behind a NAT, the NAT's public side."""
+        manager = getattr(self.host, "_observed_addr_manager", None)
+        if manager is None:
+            return []
+        ips = []
+        for a in manager.addrs(min_observers=1):
+            try:
+                ips.append(a.value_for_protocol("ip4"))
+            except Exception:
+                continue
+        return sorted(set(ips))
+
+    async def set_dht_server(self, server: bool) -> None:
+        """Serve the DHT (a reachable node) or only query it (client mode: we do not
+        offer the DHT protocol, so peers do not keep us in their routing tables)."""
+        self.dht_server = server
+        if self.dht is None:
+            return
+        kad = self.dht.kad
+        if server and kad.mode != DHTMode.SERVER:
+            await kad.switch_mode(DHTMode.SERVER)
+            # switch_mode registers KadDHT's bare handler: put it behind the gate again
+            protocol = self.dht.protocol
+            assert self.host is not None
+            self.host.set_stream_handler(protocol, self.gate.guard(
+                protocol, kad.handle_stream, STREAM_DEADLINE_S))
+        elif not server and kad.mode != DHTMode.CLIENT:
+            await kad.switch_mode(DHTMode.CLIENT)
+
+    async def probe(self, peer: ID, addr: str, timeout: float) -> None:
+        """Dial `addr` on a new connection, never one the swarm already has, and check
+        that `peer` answers there (the Noise handshake proves its key); then close it.
+        Raises DialError. Reachability checks need this: py-libp2p's connect() reuses an
+        open connection and so 'reaches' any peer already connected to us."""
+        assert self.host is not None
+        swarm = self.host.get_network()
+        maddr = multiaddr.Multiaddr(addr)
+        transport = swarm.transport_manager.transport_for_dialing(maddr)  # type: ignore[attr-defined]
+        if transport is None:
+            raise DialError(addr, "no transport for this address")
+        raw = None
+        try:
+            with trio.fail_after(timeout):
+                raw = await transport.dial(maddr)
+                secured = await swarm.upgrader.upgrade_security(raw, True, peer)  # type: ignore[attr-defined]
+                await secured.close()
+        except trio.TooSlowError:
+            raise DialError(addr, f"no answer within {timeout:g} s") from None
+        except Exception as e:
+            raise DialError(addr, _dial_reason(e)) from e
+        finally:
+            if raw is not None:
+                with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await raw.close()
 
     def connected_peers(self) -> list[ID]:
         return [] if self.host is None else self.host.get_connected_peers()

@@ -35,6 +35,7 @@ from node.run.store import RunStore
 from node.status.control import NETNS_ENV, ControlUnavailable, query_control
 from protocols import manifest as mf
 from testnet import churn as churn_mod
+from testnet import nat as nat_mod
 from testnet import netns as ns
 from testnet.churn import ChurnConfig, Kill, kill_schedule
 
@@ -154,7 +155,9 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
        extra_node_args: list[str] | None = None, timeout: float = 60.0,
        sybils: int = 0, attack: str | None = None, aggregator: str | None = None,
        netns: bool = False, neighbours: dict[str, list[str]] | None = None,
-       churn: ChurnConfig | None = None, on_progress=lambda msg: None) -> Testnet:
+       churn: ChurnConfig | None = None, nat: dict[str, str] | None = None,
+       rate: str | None = None, rtt_ms: float | None = None,
+       on_progress=lambda msg: None) -> Testnet:
     """Start a bootstrap and `nodes` nodes; return once every node is running.
 
     With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
@@ -165,6 +168,9 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
     made symmetric), instead of the run's random pairing: a scenario whose outcome depends
     on who meets whom becomes deterministic. Processes not named keep the run's pairing.
     `churn`: once every node runs, start killing and restarting nodes (testnet/churn.py).
+    `nat` (implies `netns`): node name -> NAT kind (testnet/nat.py) for nodes behind a NAT
+    gateway; the rest and the bootstrap are public. `rate` shapes every WAN link (tc tbf);
+    `rtt_ms` adds that round-trip time between any two namespaces (testnet/delay.py).
     """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
@@ -199,7 +205,7 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
     net = Testnet(str(directory), run_id, "", procs, detached, os.getpid())
     topo = None
     try:
-        if netns:
+        if netns or nat:
             reason = ns.available()
             if reason:
                 raise TestnetError(f"cannot place nodes in network namespaces: {reason}")
@@ -207,7 +213,13 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             names = ["bootstrap", *(f"node{i}" for i in range(1, nodes + 1)),
                      *(f"sybil{i}" for i in range(1, sybils + 1))]
             try:
-                topo = ns.create(ns.tag_for(str(directory)), names)
+                if nat:
+                    topo = nat_mod.create(ns.tag_for(str(directory)), names, nat, rate=rate,
+                                          rtt_ms=rtt_ms, workdir=str(directory),
+                                          detached=detached)
+                else:
+                    topo = ns.create(ns.tag_for(str(directory)), names, rate=rate,
+                                     rtt_ms=rtt_ms, workdir=str(directory), detached=detached)
             except ns.NetnsError as e:
                 raise TestnetError(f"cannot create the network namespaces: {e}") from e
             net.netns = topo.to_json()
@@ -357,7 +369,8 @@ def down(directory: Path, timeout: float = 10.0) -> int:
     A churn driver is stopped first, so that it restarts nothing while the nodes stop."""
     stop_churn(directory)
     net = Testnet.load(Path(directory).resolve())  # (again: the churn changes pids)
-    if net is None:
+    if net is None:  # namespaces a launcher left before it could record them
+        ns.destroy(ns.Topology(ns.tag_for(str(Path(directory).resolve()))))
         return 0
     running = [p for p in net.procs if alive(p.pid, p.state_dir)]
     for p in running:
@@ -374,6 +387,7 @@ def down(directory: Path, timeout: float = 10.0) -> int:
     _reap()
     if net.netns:
         ns.destroy(ns.Topology.from_json(net.netns))
+    ns.destroy(ns.Topology(ns.tag_for(net.dir)))  # also any a crashed `up` left unrecorded
     (Path(net.dir) / STATE_FILE).unlink(missing_ok=True)
     return len(running)
 

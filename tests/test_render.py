@@ -63,3 +63,19 @@ def test_node_status_lists_banned_peers_only_when_there_are_some():
     console.print(r.node_status_table(st))
     text = console.export_text()
     assert "1 banned peers" in text and IDS[3] in text and "invalid" in text
+
+
+def test_node_status_shows_reachability_and_the_gateways_refusal():
+    st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
+          "p2p": {}, "membership": {"peers": []},
+          "reach": {"reachability": "public", "via": "upnp", "dht": "server",
+                    "upnp": {"mapping": "/ip4/198.18.3.2/tcp/4001", "error": None}}}
+    console = Console(width=200, record=True)
+    console.print(r.node_status_table(st))
+    assert "public via upnp (DHT server); upnp: /ip4/198.18.3.2/tcp/4001" in console.export_text()
+    st["reach"] = {"reachability": "private", "via": None, "dht": "client",
+                   "upnp": {"mapping": None, "error": "the gateway refused to map TCP port 4001"}}
+    console = Console(width=200, record=True)
+    console.print(r.node_status_table(st))
+    assert ("private (DHT client); upnp: the gateway refused to map TCP port 4001"
+            in console.export_text())

@@ -1,0 +1,207 @@
+"""ReachabilityService: learns whether this node is reachable, maps a port if it is not.
+
+Every node serves AutoNAT (node/reach/autonat.py: the dial-back on a fresh connection) and
+asks up to `max_servers` connected peers to dial it back, at its listen addresses and at
+the IPs peers saw it come from (a NAT's public side) with its listen port. The verdict
+(`public`, `private`, `unknown`) is in `node status`, re-checked every `interval_s`, and
+sooner when our candidate addresses change or while it is unknown.
+
+A private node asks its gateway for a TCP port mapping (UPnP IGD via miniupnpc), announces
+the mapped address, checks again (a mapping only counts once a peer reached us through
+it), renews the mapping at half its lease and removes it when the node stops. A gateway
+that is absent or refuses is one log line and `upnp.error` in status; the node keeps going
+(it stays private, retried every `upnp_retry_s`).
+
+Only a public node serves the DHT; a private one runs it in client mode (py-libp2p's
+`switch_mode`): peers cannot dial it, so it must not sit in their routing tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import trio
+
+from node.reach.autonat import PROTOCOL_ID, Answer, Verdict, ask, server_handler
+from node.reach.upnp import Gateway, Mapping, UpnpError
+from node.service import NodeContext
+from p2p.host import Substrate
+
+log = logging.getLogger("node.reach")
+
+
+class ReachabilityService:
+    name = "reach"
+    protocols = (PROTOCOL_ID,)
+
+    def __init__(self, *, upnp: bool = True, interval_s: float = 120.0, retry_s: float = 5.0,
+                 confirmations: int = 3, max_servers: int = 5, lease_s: int = 3600,
+                 upnp_retry_s: float = 600.0, gateway: Gateway | None = None) -> None:
+        self.upnp_enabled = upnp
+        self.interval_s = interval_s
+        self.retry_s = retry_s
+        self.confirmations = confirmations
+        self.max_servers = max_servers
+        self.lease_s = lease_s
+        self.upnp_retry_s = upnp_retry_s
+        self.gateway = gateway or Gateway()
+        self.state = "unknown"
+        self.via: str | None = None
+        self.checks = 0
+        self.checked_at: float | None = None
+        self.answers: list[Answer] = []
+        self.candidates: list[str] = []
+        self.mapping: Mapping | None = None
+        self.upnp_state = "off" if not upnp else "idle"
+        self.upnp_error: str | None = None
+        self.renewals = 0
+        self._upnp_failed_at: float | None = None
+        self.changed = trio.Event()  # set after each check (tests wait on it)
+        self.dht_mode = "server"
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        sub = ctx.substrate
+        sub.set_handler(PROTOCOL_ID, server_handler(sub))
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await self.check(sub)
+                    if self._want_mapping():
+                        await self._map(sub, nursery)
+                    await sub.set_dht_server(self.state != "private")
+                    self.dht_mode = "server" if sub.dht_server else "client"
+                    await self._wait(sub)
+        finally:
+            if self.mapping is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                    await self._unmap(sub)
+
+    async def _wait(self, sub: Substrate) -> None:
+        """Until the next check: the interval, or sooner if our candidates changed."""
+        wait = self.interval_s if self.state != "unknown" else self.retry_s
+        deadline = trio.current_time() + wait
+        while trio.current_time() < deadline:
+            await trio.sleep(min(1.0, max(0.0, deadline - trio.current_time())))
+            if self._candidates(sub) != self.candidates:
+                return
+
+    def _candidates(self, sub: Substrate) -> list[str]:
+        """Where a peer might reach us: listen and announced addresses, and each IP peers
+        saw us at with each listen port (a port-preserving NAT, a full-cone NAT)."""
+        own = [a.split("/p2p/")[0] for a in sub.addrs()]
+        seen = [f"/ip4/{ip}/tcp/{port}" for ip in sub.observed_ips()
+                for port in sub.listen_ports()]
+        return sorted(set(own) | set(seen))
+
+    async def check(self, sub: Substrate) -> str:
+        """One round: ask up to `max_servers` connected peers; update the verdict."""
+        servers = [p for p in sub.connected_peers() if p != sub.peer_id]
+        random.shuffle(servers)
+        servers = servers[:self.max_servers]
+        self.candidates = self._candidates(sub)
+        answers: list[Answer] = []
+
+        async def one(server) -> None:
+            answers.append(await ask(sub, server, self.candidates))
+
+        async with trio.open_nursery() as nursery:
+            for server in servers:
+                nursery.start_soon(one, server)
+        before = self.state
+        state = Verdict(answers).decide(self.confirmations)
+        self.answers = answers
+        if state != "unknown":  # no peers, errors or disagreement: keep what we knew
+            self.state = state
+            reached = {a.addr for a in answers if a.status == "reached"}
+            mapped = self.mapping.multiaddr if self.mapping else None
+            self.via = None if state != "public" else (
+                "upnp" if mapped and any(r and r.startswith(mapped) for r in reached)
+                else "direct")
+        self.checks += 1
+        self.checked_at = time.time()
+        if self.state != before:
+            log.info("reachability: %s%s (%s)", self.state,
+                     f" via {self.via}" if self.via else "", _summary(answers))
+        self.changed.set()
+        self.changed = trio.Event()
+        return self.state
+
+    def _want_mapping(self) -> bool:
+        if not self.upnp_enabled or self.state != "private" or self.mapping is not None:
+            return False
+        failed = self._upnp_failed_at
+        return failed is None or trio.current_time() - failed >= self.upnp_retry_s
+
+    async def _map(self, sub: Substrate, nursery: trio.Nursery) -> None:
+        ports = sub.listen_ports()
+        if not ports:
+            return
+        self.upnp_state = "mapping"
+        try:
+            if self.gateway.url is None:
+                await self.gateway.discover()
+            self.mapping = await self.gateway.map(ports[0], self.lease_s)
+        except Exception as e:  # UpnpError, or a gateway's nonsense miniupnpc let through
+            if not isinstance(e, UpnpError):
+                e = UpnpError(f"the gateway's answer broke miniupnpc ({e!r})")
+            self.upnp_state, self.upnp_error = "failed", str(e)
+            self._upnp_failed_at = trio.current_time()
+            log.warning("upnp: %s; staying %s (retry in %.0f s)", e, self.state,
+                        self.upnp_retry_s)
+            return
+        self.upnp_state, self.upnp_error = "mapped", None
+        sub.announce(self.mapping.multiaddr)
+        log.info("upnp: gateway %s mapped %s -> port %d (lease %d s)", self.gateway.url,
+                 self.mapping.multiaddr, self.mapping.internal_port, self.lease_s)
+        nursery.start_soon(self._renew, sub)
+        await self.check(sub)
+
+    async def _renew(self, sub: Substrate) -> None:
+        while self.mapping is not None:
+            await trio.sleep(max(1.0, self.lease_s / 2))
+            try:
+                self.mapping = await self.gateway.map(self.mapping.internal_port, self.lease_s)
+                self.renewals += 1
+                self.upnp_error = None
+            except Exception as e:  # kept announced: the old lease may still run
+                self.upnp_error = f"renewal failed: {e}"
+                log.warning("upnp: renewal failed: %s", e)
+
+    async def _unmap(self, sub: Substrate) -> None:
+        mapping, self.mapping = self.mapping, None
+        if mapping is None:
+            return
+        sub.withdraw(mapping.multiaddr)
+        try:
+            await self.gateway.unmap(mapping)
+            log.info("upnp: removed the mapping %s", mapping.multiaddr)
+            self.upnp_state = "removed"
+        except Exception as e:
+            log.warning("upnp: %s", e)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "reachability": self.state,
+            "via": self.via,
+            "dht": self.dht_mode,
+            "checks": self.checks,
+            "checked_at": round(self.checked_at, 3) if self.checked_at else None,
+            "candidates": self.candidates,
+            "answers": [vars(a) for a in self.answers],
+            "upnp": {"state": self.upnp_state, "gateway": self.gateway.url,
+                     "mapping": self.mapping.multiaddr if self.mapping else None,
+                     "lease_s": self.lease_s if self.mapping else None,
+                     "renewals": self.renewals, "error": self.upnp_error},
+        }
+
+
+def _summary(answers: list[Answer]) -> str:
+    counts: dict[str, int] = {}
+    for a in answers:
+        counts[a.status] = counts.get(a.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no peer to ask"

@@ -1,0 +1,219 @@
+"""Reachability without namespaces: the fresh-connection dial-back between two real hosts on
+loopback (the false PUBLIC that py-libp2p's reused connection gave is gone), the verdict
+rule, the STUN responder miniupnpd's check relies on, and the nat scenario's bad flags."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from types import SimpleNamespace
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from node.reach import autonat
+from node.reach.autonat import Answer, Verdict
+from node.reach.service import ReachabilityService
+from node.reach.upnp import Mapping
+from p2p.host import DialError, Substrate
+from testnet import stun
+from tests.conftest import run_cli
+
+
+async def test_dial_back_is_on_a_fresh_connection_and_proves_the_key():
+    server, client = (Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+                      for _ in range(2))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        await nursery.start(client.serve)
+        server.set_handler(autonat.PROTOCOL_ID, autonat.server_handler(server))
+        await client.connect(server.addrs()[0])
+        listening = [a.split("/p2p/")[0] for a in client.addrs()]
+        with trio.fail_after(30):
+            ok = await autonat.ask(client, server.peer_id, listening)
+        assert ok.status == "reached" and ok.addr == listening[0]
+        # Connected to the server, but advertising a port nobody listens on: py-libp2p's
+        # own server "reached" such a requester over the open connection (false PUBLIC).
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}"
+        with trio.fail_after(30):
+            no = await autonat.ask(client, server.peer_id, [dead])
+        assert no.status == "unreachable"
+        # an address at another IP than the one the server sees is not dialed at all
+        with trio.fail_after(30):
+            refused = await autonat.ask(client, server.peer_id, ["/ip4/198.18.9.9/tcp/4001"])
+        assert refused.status == "refused"
+        # the probe checks who answers: the right address with the wrong key fails
+        with pytest.raises(DialError):
+            await server.probe(server.peer_id, listening[0], timeout=10)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("statuses", "confirmations", "verdict"), [
+    ([], 3, "unknown"),
+    (["error", "error"], 3, "unknown"),
+    (["reached"], 3, "public"),  # one server in a small swarm is enough
+    (["refused"], 3, "private"),
+    (["reached", "unreachable"], 3, "unknown"),  # disagreement decides nothing
+    (["reached", "reached", "unreachable", "error"], 2, "public"),
+    (["unreachable", "refused", "refused", "reached"], 3, "private"),
+    (["unreachable", "refused", "reached", "reached"], 3, "unknown"),
+])
+def test_verdict_needs_agreeing_answers(statuses, confirmations, verdict):
+    answers = [Answer(f"s{i}", s) for i, s in enumerate(statuses)]
+    assert Verdict(answers).decide(confirmations) == verdict
+
+
+def test_stun_answers_from_the_address_the_request_asks_for():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # a free port pair is likely: port+1 checked below
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        try:
+            other.bind(("127.0.0.1", port + 1))
+        except OSError:
+            pytest.skip("no free port pair for the responder")
+    threading.Thread(target=stun.serve, args=("127.0.0.1", "127.0.0.2", port, port + 1),
+                     daemon=True).start()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+        c.bind(("127.0.0.1", 0))
+        c.settimeout(10)
+        txid = b"0123456789ab"
+        req = struct.pack("!HHI", stun.BINDING_REQUEST, 8, stun.MAGIC) + txid + struct.pack(
+            "!HHI", stun.CHANGE_REQUEST, 4, stun.CHANGE_IP | stun.CHANGE_PORT)
+        for _ in range(50):  # the thread may not be bound yet: resend until it answers
+            c.sendto(req, ("127.0.0.1", port))
+            try:
+                data, source = c.recvfrom(2048)
+                break
+            except TimeoutError:
+                continue
+        assert source == ("127.0.0.2", port + 1)
+        assert data[8:20] == txid
+        xport = struct.unpack_from("!H", data, 20 + 12 + 6)[0] ^ (stun.MAGIC >> 16)
+        assert xport == c.getsockname()[1]
+
+
+def test_stun_ignores_what_is_not_a_binding_request():
+    assert stun.parse_request(b"") is None
+    assert stun.parse_request(b"\x00\x01\x00\x00" + b"\x00" * 16) is None  # no magic
+    ok = struct.pack("!HHI", 1, 0, stun.MAGIC) + b"x" * 12
+    assert stun.parse_request(ok) == (b"x" * 12, 0)
+    assert stun.parse_request(ok + b"\x00") is None  # length field disagrees
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--scenario", "nat", "--kinds", "public,cgnat"], "--kinds public,cgnat: expected"),
+    (["--scenario", "nat", "--rate", "fast"], "--rate fast: expected a rate such as 100mbit"),
+    (["--kinds", "home"], "--kinds applies to the nat scenario only"),
+    (["--rate", "10mbit"], "--rate applies to the partition and nat scenarios"),
+    (["--scenario", "nat", "--rtt", "50"], "--rtt 50: expected milliseconds such as 50ms"),
+    (["--rtt", "50ms"], "--rtt applies to the partition and nat scenarios"),
+])
+def test_bad_nat_flags_are_one_line_and_exit_2(args, message, tmp_path):
+    r = run_cli("testnet", "up", "--dir", str(tmp_path / "tn"), *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+class FakeSubstrate:
+    """What the reach service uses of a substrate, with no peers to ask: the verdict stays
+    as set, so the UPnP timers can be driven alone (the real gateway is in test_nat.py)."""
+
+    peer_id = "me"
+    dht_server = True
+
+    def __init__(self) -> None:
+        self.announced: list[str] = []
+
+    def set_handler(self, protocol, handler) -> None: ...
+    def connected_peers(self) -> list: return []
+    def addrs(self) -> list[str]: return ["/ip4/198.19.9.2/tcp/4001/p2p/me"]
+    def observed_ips(self) -> list[str]: return []
+    def listen_ports(self) -> list[int]: return [4001]
+    def announce(self, addr: str) -> None: self.announced.append(addr)
+    def withdraw(self, addr: str) -> None: self.announced.remove(addr)
+
+    async def set_dht_server(self, server: bool) -> None:
+        self.dht_server = server
+
+
+class FakeGateway:
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.url = None
+        self.fail = fail
+        self.maps: list[float] = []
+        self.unmapped: list[Mapping] = []
+
+    async def discover(self) -> str:
+        self.url = "http://198.19.9.1/ctl"
+        return self.url
+
+    async def map(self, port: int, lease_s: int) -> Mapping:
+        self.maps.append(trio.current_time())
+        if self.fail is not None:
+            raise self.fail
+        return Mapping("198.18.9.2", port, "198.19.9.2", port, lease_s)
+
+    async def unmap(self, mapping: Mapping) -> None:
+        self.unmapped.append(mapping)
+
+
+async def _run_private(svc: ReachabilityService, sub: FakeSubstrate, seconds: float) -> None:
+    svc.state = "private"
+    with trio.move_on_after(seconds):
+        await svc.run(SimpleNamespace(substrate=sub))  # type: ignore[arg-type]
+
+
+async def test_a_mapping_is_announced_renewed_at_half_lease_and_removed_on_stop(
+    autojump_clock,
+):
+    sub, gw = FakeSubstrate(), FakeGateway()
+    svc = ReachabilityService(lease_s=100, gateway=gw)  # type: ignore[arg-type]
+    start = trio.current_time()
+    await _run_private(svc, sub, 160)
+    assert [round(t - start) for t in gw.maps] == [0, 50, 100, 150]
+    assert svc.renewals == 3
+    assert [m.multiaddr for m in gw.unmapped] == ["/ip4/198.18.9.2/tcp/4001"]
+    assert sub.announced == [] and svc.mapping is None and svc.upnp_state == "removed"
+
+
+async def test_a_gateway_that_answers_garbage_leaves_the_node_private_and_retrying(
+    autojump_clock,
+):
+    sub, gw = FakeSubstrate(), FakeGateway(fail=ValueError("not XML"))
+    svc = ReachabilityService(gateway=gw, upnp_retry_s=600)  # type: ignore[arg-type]
+    start = trio.current_time()
+    await _run_private(svc, sub, 700)
+    st = svc.statistics()
+    assert st["reachability"] == "private" and st["dht"] == "client"
+    assert st["upnp"]["state"] == "failed"
+    assert st["upnp"]["error"] == "the gateway's answer broke miniupnpc (ValueError('not XML'))"
+    assert [round(t - start) for t in gw.maps] == [0, 600]  # retried after upnp_retry_s
+    assert sub.announced == [] and gw.unmapped == []
+
+
+async def test_garbage_on_the_autonat_protocol_ends_that_stream_only():
+    server, client = (Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+                      for _ in range(2))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        await nursery.start(client.serve)
+        server.set_handler(autonat.PROTOCOL_ID, autonat.server_handler(server))
+        await client.connect(server.addrs()[0])
+        for garbage in (b"\x05hello", b"\xff\xff\xff\xff\x0f" + b"x" * 100, b"\x02\x08\x63"):
+            stream = await client.open_stream(server.peer_id, autonat.PROTOCOL_ID)
+            await stream.write(garbage)
+            with trio.fail_after(30):
+                with contextlib.suppress(Exception):
+                    await stream.read(1024)  # an error answer or the stream's end
+            with contextlib.suppress(Exception):
+                await stream.close()
+        listening = [a.split("/p2p/")[0] for a in client.addrs()]
+        with trio.fail_after(30):
+            assert (await autonat.ask(client, server.peer_id, listening)).status == "reached"
+        assert server.stats.restarts == 0
+        nursery.cancel_scope.cancel()
