@@ -43,6 +43,8 @@ def test_four_nodes_see_each_other_then_down_leaves_nothing(testnet_factory):
     st = json.loads(r.stdout)
     assert st["run"] == net.run_id and st["phase"] == "running"
     assert st["run_name"] == "testnet-default"
+    # a loopback node never looks for a UPnP gateway: SSDP would multicast off this machine
+    assert st["reach"]["upnp"]["state"] == "off (loopback only)"
 
     pids = [p.pid for p in net.procs]
     assert launcher.down(Path(net.dir)) == 5

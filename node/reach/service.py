@@ -66,6 +66,10 @@ class ReachabilityService:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sub = ctx.substrate
         sub.set_handler(PROTOCOL_ID, server_handler(sub))
+        if self.upnp_enabled and all(_loopback(str(a)) for a in sub.listen):
+            # no gateway stands between loopback and anyone; SSDP would only multicast on
+            # the LAN for nothing (a loopback testnet must send nothing off this machine)
+            self.upnp_enabled, self.upnp_state = False, "off (loopback only)"
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
@@ -205,3 +209,8 @@ def _summary(answers: list[Answer]) -> str:
     for a in answers:
         counts[a.status] = counts.get(a.status, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no peer to ask"
+
+
+def _loopback(addr: str) -> bool:
+    parts = addr.split("/")
+    return len(parts) > 2 and (parts[2].startswith("127.") or parts[2] == "::1")
