@@ -23,6 +23,8 @@ from node.status.control import query_control
 from testnet import launcher
 
 REPO = Path(__file__).resolve().parents[1]
+# Inherited by every node process a test starts (tests/data/loopback.toml says why).
+os.environ["PEERTRAIN_CONFIG"] = str(REPO / "tests" / "data" / "loopback.toml")
 
 
 def feed_in_place(core: Any, feed: Callable[[memoryview], None], chunk: memoryview) -> list:
