@@ -24,10 +24,11 @@ from typing import Any
 
 import trio
 
+from node import preload
 from node.checkpoints.exchange import CheckpointServer
 from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
-from node.errors import BootstrapUnreachable, NodeError, StateDirError
+from node.errors import BootstrapUnreachable, DeviceUnavailable, StateDirError
 from node.files import atomic_write
 from node.guard.service import GuardService, classify
 from node.membership.heartbeats import HeartbeatService
@@ -79,6 +80,7 @@ class Node:
             checkpoints=CheckpointStore(config.state_dir),
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
+        self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
@@ -94,6 +96,8 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ctx = self.ctx
+        if self.config.run_id is not None and self.config.train:
+            preload.start()  # torch loads while we dial and discover (the CLI started it)
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
@@ -116,6 +120,10 @@ class Node:
             for service in more:
                 self.services.append(service)
                 await nursery.start(service.run, ctx)
+            if self.config.run_id is not None:
+                for service in await self._trainer_services():
+                    self.services.append(service)
+                    await nursery.start(service.run, ctx)
             ctx.phases.enter("running")
             task_status.started()
 
@@ -148,25 +156,39 @@ class Node:
             rundoc,
             PeerRecordService(config.reprovide_s),
         ]
-        # torch takes a second or more to import: resolve the device after we are visible.
-        ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
         if config.train:
-            services += self._training_services(rundoc)
+            from node.checkpoints.service import CheckpointService
+            from node.training.build import check_swarm_algorithm
+
+            check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
+            # Pulls the newest checkpoint before it reports ready; needs no torch, which
+            # is still loading in the background (node/preload.py).
+            self._checkpoints = CheckpointService(publish=rundoc.publish,
+                                                  synced=rundoc.first_sync)
+            services.append(self._checkpoints)
         return services
 
-    def _training_services(self, rundoc: RunDocSync) -> list[Service]:
-        """Checkpoints, averaging (and SybilWall's history gossip), the trainer."""
+    async def _trainer_services(self) -> list[Service]:
+        """Once torch is loaded: the device, averaging (and SybilWall's history gossip), the
+        trainer. Every torch-importing module is imported only after `preload.ready()`: an
+        import on the trio thread would block it on the background import's lock."""
+        ctx, config = self.ctx, self.config
+        if config.train and not preload.statistics()["done"]:
+            ctx.phases.enter("loading torch")
+            await preload.ready()
+        # `auto` asks torch; without training, torch loads only for this (in a worker).
+        ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
+        if not config.train:
+            return []
         from node.averaging.history_gossip import HistoryGossip
-        from node.averaging.service import Averager  # imports torch: only trainers pay it
-        from node.checkpoints.service import CheckpointService
-        from node.training.build import build_training, check_swarm_algorithm, neighbours
+        from node.averaging.service import Averager
+        from node.training.build import build_training, neighbours
         from node.training.service import TrainingService
 
-        ctx, config, run = self.ctx, self.config, self.ctx.the_run()
+        run, checkpoints = ctx.the_run(), self._checkpoints
+        assert checkpoints is not None
         m = run.manifest
-        check_swarm_algorithm(m, config.attack)  # a clear error and exit, not an idle node
-        checkpoints = CheckpointService(publish=rundoc.publish, synced=rundoc.first_sync)
-        services: list[Service] = [checkpoints]
+        services: list[Service] = []
         averager = None
         if m.outer.algorithm != "none":
             history = None
@@ -253,6 +275,7 @@ class Node:
             "addrs": substrate.addrs(),
             "device": ctx.device if run else self.config.device,
             "attack": self.config.attack,
+            "torch_import": preload.statistics(),
             "p2p": {
                 "connections": len(substrate.connected_peers()),
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
@@ -274,7 +297,7 @@ def resolve_device_name(spec: str) -> str:
     try:
         return str(device.resolve(spec))
     except device.DeviceError as e:
-        raise NodeError(f"--device {spec}: {e}") from e
+        raise DeviceUnavailable(f"--device {spec}: {e}") from e
 
 
 async def run_node(config: NodeConfig) -> int | None:

@@ -27,3 +27,15 @@ class TrainingFailed(NodeError):
     """The trainer stopped with an error: the node stops too, with the reason."""
 
     exit_code = 9
+
+
+class DeviceUnavailable(NodeError):
+    """`--device cuda[:N]` on a machine without that GPU (checked before the node dials)."""
+
+    exit_code = 10
+
+
+class DeviceMemoryError(NodeError):
+    """Training would not fit in the GPU's free memory (checked before the first step)."""
+
+    exit_code = 11

@@ -1,0 +1,77 @@
+"""torch in the background: the p2p side starts while torch loads.
+
+`import torch` costs seconds (5.6 s cold on the 2-core dev machine, more than libp2p's
+2.7 s), and a joiner needs it only to train. `start()` imports it in a daemon thread as
+early as the CLI knows the node will train; the node meanwhile dials its bootstrap peers,
+discovers the run and pulls the newest checkpoint, and the training services `await
+ready()` (a worker thread joins the import) before they touch torch. Nothing on the trio
+thread may import a torch-importing module before `ready()` returns: Python's import lock
+would block the event loop until the background import finishes.
+
+The import competes with the trio thread for the GIL but not for the network: the gain is
+the overlap of torch's file reads and module set-up with dials, DHT lookups and downloads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import trio
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_done = threading.Event()
+_error: BaseException | None = None
+_seconds: float | None = None
+
+
+def start() -> None:
+    """Begin importing torch in a daemon thread (once; later calls do nothing)."""
+    global _thread
+    with _lock:
+        if _thread is not None:
+            return
+        _thread = threading.Thread(target=_load, name="peertrain-torch-import", daemon=True)
+        _thread.start()
+
+
+def _load() -> None:
+    global _error, _seconds
+    began = time.perf_counter()
+    try:
+        import torch  # noqa: F401
+
+        # What the trainer imports next (models, optimizers, the codecs' numpy paths): the
+        # same thread pays for them, so the training services find them loaded.
+        import node.averaging.service
+        import node.trainer.loop
+        import node.trainer.tasks  # noqa: F401
+    except BaseException as e:  # reported by wait(): the node says why it cannot train
+        _error = e
+    finally:
+        _seconds = time.perf_counter() - began
+        _done.set()
+
+
+def wait() -> None:
+    """Block until torch is imported (starting the import if nobody did); re-raise its error."""
+    start()
+    _done.wait()
+    if _error is not None:
+        raise _error
+
+
+async def ready() -> None:
+    """`wait()` from the trio thread, in a worker thread: the event loop keeps running."""
+    if not _done.is_set():
+        await trio.to_thread.run_sync(wait, abandon_on_cancel=True)
+    wait()
+
+
+def statistics() -> dict[str, Any]:
+    """For `node status` and the join benchmark: did the import finish, and in how long."""
+    return {"started": _thread is not None, "done": _done.is_set(),
+            "seconds": None if _seconds is None else round(_seconds, 3),
+            "error": None if _error is None else f"{type(_error).__name__}: {_error}"}
