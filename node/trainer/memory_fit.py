@@ -66,7 +66,11 @@ def shortfall(est: MemoryEstimate, free_bytes: int, device: str, batch: int) -> 
     else:
         hint = ("the model and its optimizer state alone do not fit: use a run with more "
                 "pipeline stages (a smaller model per peer), or --device cpu")
-    return (f"training needs about {est.total / GIB:.2f} GiB on {device} but {free_bytes / GIB:.2f}"
-            f" GiB are free (weights {est.weights / GIB:.2f}, gradients "
-            f"{est.gradients / GIB:.2f}, AdamW {est.optimizer / GIB:.2f}, activations for "
-            f"batch {batch} {est.activations / GIB:.2f}, +{HEADROOM:.0%}); {hint}")
+    return (f"training needs about {_size(est.total)} on {device} but {_size(free_bytes)} "
+            f"are free (weights {_size(est.weights)}, gradients {_size(est.gradients)}, AdamW "
+            f"{_size(est.optimizer)}, activations for batch {batch} {_size(est.activations)}, "
+            f"+{HEADROOM:.0%}); {hint}")
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:.1f} MiB"
