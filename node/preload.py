@@ -14,15 +14,12 @@ the overlap of torch's file reads and module set-up with dials, DHT lookups and 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from typing import Any
 
 import trio
 
-NICE = 10
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _done = threading.Event()
@@ -43,10 +40,9 @@ def start() -> None:
 def _load() -> None:
     global _error, _seconds
     began = time.perf_counter()
-    # Throughput work, like the trainer (node/training/service.py): niced, so that on busy
-    # cores the node's own trio thread, and its neighbours', run first.
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    # Not niced like the trainer thread: the import is on the path to the first step, and
+    # a niced import took 55 s instead of ~9 s on the shared 2-core machine at load 11-17
+    # (every nice-0 process of the machine ran first).
     try:
         # What the trainer imports next (models, optimizers, the codecs' numpy paths): the
         # same thread pays for them, so the training services find them loaded.

@@ -115,7 +115,7 @@ def test_the_trainer_applies_the_check_with_the_tasks_own_estimate():
     trainer.check_memory(free_bytes=GIB)  # fits easily
     fixed = trainer.n_params * 16 * (1 + mf.HEADROOM)
     per_sample = task.activation_bytes(8, half=False) * (1 + mf.HEADROOM) / 8
-    with pytest.raises(DeviceMemoryError, match="train.batch_size 3 would fit"):
+    with pytest.raises(DeviceMemoryError, match=r"train\.batch_size 3 would fit"):
         trainer.check_memory(free_bytes=int(fixed + 3.5 * per_sample))
 
 
