@@ -44,12 +44,9 @@ def _load() -> None:
     # a niced import took 55 s instead of ~9 s on the shared 2-core machine at load 11-17
     # (every nice-0 process of the machine ran first).
     try:
-        # What the trainer imports next (models, optimizers, the codecs' numpy paths): the
-        # same thread pays for them, so the training services find them loaded.
-        import node.averaging.service
-        import node.trainer.loop
-        import node.trainer.tasks  # noqa: F401
-
+        # torch and what it imports on first use, nothing of ours: a module of ours being
+        # imported here (waiting on torch) would hold its import lock, and the trio thread
+        # importing it too (node.daemon shares modules with node.averaging) would block.
         _warm_up()
     except BaseException as e:  # reported by wait(): the node says why it cannot train
         _error = e

@@ -47,17 +47,32 @@ def test_device_cuda_without_cuda_is_refused_before_the_bootstrap_dial(tmp_path)
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
 
 
-# The joiner below runs with an import hook that holds `import torch` until a file exists.
+# The joiner below runs with an import hook that holds the execution of torch's package
+# until a file exists (in exec_module: a finder runs under Python's global import lock,
+# and waiting there would hold every import of every thread, not just torch's).
 GATED = """
-import importlib.abc, os, sys, time
+import importlib.abc, importlib.machinery, os, sys, time
 GATE = os.environ["PEERTRAIN_TEST_TORCH_GATE"]
+
+class Held:
+    def __init__(self, real):
+        self.real = real
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+    def exec_module(self, module):
+        while not os.path.exists(GATE):
+            time.sleep(0.05)
+        self.real.exec_module(module)
 
 class HoldTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "torch":
-            while not os.path.exists(GATE):
-                time.sleep(0.05)
-        return None
+        if name != "torch":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec.loader = Held(spec.loader)
+        return spec
 
 sys.meta_path.insert(0, HoldTorch())
 from cli.main import app
