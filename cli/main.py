@@ -72,10 +72,6 @@ def join(
     log_level: LogLevel = "info",
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
-    if not no_train:  # torch loads while the node dials and discovers (node/preload.py)
-        from node import preload
-
-        preload.start()
     from node.daemon import run_node
     from protocols import manifest as mf
 

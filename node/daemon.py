@@ -97,7 +97,11 @@ class Node:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ctx = self.ctx
         if self.config.run_id is not None and self.config.train:
-            preload.start()  # torch loads while we dial and discover (the CLI started it)
+            # torch loads while we dial, discover and pull the checkpoint. Not earlier (the
+            # CLI's first line): the imports before this point are CPU work as well, and the
+            # two threads share one GIL; measured, 4 nodes of a testnet then started ~2.5 s
+            # later and listed each other ~2 s later (docs/benchmarks.md).
+            preload.start()
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:

@@ -1,15 +1,17 @@
 """torch in the background: the p2p side starts while torch loads.
 
 `import torch` costs seconds (5.6 s cold on the 2-core dev machine, more than libp2p's
-2.7 s), and a joiner needs it only to train. `start()` imports it in a daemon thread as
-early as the CLI knows the node will train; the node meanwhile dials its bootstrap peers,
-discovers the run and pulls the newest checkpoint, and the training services `await
-ready()` (a worker thread joins the import) before they touch torch. Nothing on the trio
-thread may import a torch-importing module before `ready()` returns: Python's import lock
-would block the event loop until the background import finishes.
+2.7 s), and a joiner needs it only to train. The daemon calls `start()` as its node starts
+(node/daemon.py) and torch is imported in a daemon thread while the node dials its
+bootstrap peers, discovers the run and pulls the newest checkpoint; the training services
+`await ready()` (a worker thread joins the import) before they touch torch. Nothing on the
+trio thread may import a torch-importing module before `ready()` returns: Python's import
+lock would block the event loop until the background import finishes.
 
 The import competes with the trio thread for the GIL but not for the network: the gain is
-the overlap of torch's file reads and module set-up with dials, DHT lookups and downloads.
+the overlap of torch's module set-up with dials, DHT lookups and downloads, where the trio
+thread waits. The CLI's own imports (libp2p's) are CPU work too, so starting torch before
+them gained nothing there and slowed the node's start (node/daemon.py says by how much).
 """
 
 from __future__ import annotations

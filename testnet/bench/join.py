@@ -115,7 +115,7 @@ def membership_once(nodes: int, directory: Path, timeout: float = 120.0) -> dict
 
     command = [sys.executable, "-m", "cli", "testnet", "up", "--nodes", str(nodes), "-d",
                "--dir", str(directory)]
-    started = time.monotonic()
+    started, started_unix = time.monotonic(), time.time()
     returned: list[float] = []
 
     def up() -> None:
@@ -143,9 +143,19 @@ def membership_once(nodes: int, directory: Path, timeout: float = 120.0) -> dict
         thread.join(timeout)
         if not returned:
             raise RuntimeError("`node testnet up` failed or did not return")
+        boot = ask(directory / "bootstrap")
+        sts = [ask(directory / name) for name in names]
     finally:
         launcher.down(directory)
-    return {"membership": full, "up_returned": returned[0]}
+
+    def latest(phase: str) -> float:  # the last node to enter `phase`, after the command
+        return max(st["started_unix"] + st["phase_times"].get(phase, 0.0) for st in sts) \
+            - started_unix
+
+    return {"bootstrap_started": boot["started_unix"] - started_unix,
+            "nodes_started": latest("starting"), "nodes_discovering": latest("discovering"),
+            "nodes_announced": latest("syncing state"), "membership": full,
+            "up_returned": returned[0]}
 
 
 GOAL_JOIN_S = 5.0  # issue 12: join to first step, 25.5 MB model, 4 trainers running
