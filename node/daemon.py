@@ -28,7 +28,7 @@ from node import preload
 from node.checkpoints.exchange import CheckpointServer
 from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
-from node.errors import BootstrapUnreachable, DeviceUnavailable, StateDirError
+from node.errors import BootstrapUnreachable, DeviceUnavailable, StateDirError, TrainingFailed
 from node.files import atomic_write
 from node.guard.service import GuardService, classify
 from node.membership.heartbeats import HeartbeatService
@@ -153,6 +153,7 @@ class Node:
         document = load_document(config.state_dir, run_id, ctx.signer,
                                  list(manifest.network.admins))
         ctx.membership.attach(document)
+        ctx.device = config.device  # what was asked ("auto"), until torch says what it is
         ctx.run = RunContext(run_id, manifest, document, TrainingStats())
         rundoc = RunDocSync()
         services: list[Service] = [
@@ -179,7 +180,12 @@ class Node:
         ctx, config = self.ctx, self.config
         if config.train and not preload.statistics()["done"]:
             ctx.phases.enter("loading torch")
-            await preload.ready()
+        if config.train:
+            try:
+                await preload.ready()
+            except Exception as e:  # a broken torch install: exit 9 with the reason
+                raise TrainingFailed(f"training stopped: cannot import torch: "
+                                     f"{type(e).__name__}: {e}") from e
         # `auto` asks torch; without training, torch loads only for this (in a worker).
         ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
         if not config.train:
