@@ -293,8 +293,9 @@ class Trainer:
             )
         with torch.no_grad():
             # On CUDA: one host-to-device copy of the whole vector, then the slices move on
-            # the device (not one small transfer per tensor).
-            source = vector.to(self.device, non_blocking=vector.is_pinned())
+            # the device (not one small transfer per tensor). Blocking: the caller may reuse
+            # `vector` as soon as this returns.
+            source = vector.to(self.device)
             offset = 0
             for p in self.params:
                 n = p.numel()
