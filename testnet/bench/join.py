@@ -50,7 +50,7 @@ inner_steps = 20
 
 [checkpoint]
 every_steps = {every}
-keep = 2
+keep = 4                    # a slow download outlives 2 newer checkpoints on a busy machine
 """
 FULL = {"d_model": 256, "n_layers": 8, "every": 40}
 QUICK = {"d_model": 64, "n_layers": 2, "every": 20}
@@ -79,7 +79,7 @@ def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[
     t = st["phase_times"]
     download = (st.get("checkpoints") or {}).get("download") or {}
     size = 0
-    if download.get("cid"):
+    if download.get("cid") and download.get("served_by"):  # else the pull failed (logged)
         size = CheckpointStore(Path(proc.state_dir)).manifest(download["cid"]).size
     ran = t.get("running", t["first step"])
     ready = t.get("loading torch", ran)  # the checkpoint service is ready (pulled) here
@@ -253,7 +253,8 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
             *(f"{r[k]:.2f}" for k in keys[:5]),
             f"{r['download']:.2f} ({r['mb']:.0f} MB from {r['served_by']} of "
             f"{r['providers']} providers, "
-            f"{r['mb'] / r['download'] if r['download'] else 0:.0f} MB/s)",
+            f"{r['mb'] / r['download'] if r['download'] else 0:.0f} MB/s)"
+            if r["served_by"] else f"{r['download']:.2f} (failed: trained from scratch)",
             *(f"{r[k]:.2f}" for k in keys[6:]),
             f"{r['total']:.2f}", f"{r['torch_import']:.2f}", r["load"],
         ]
