@@ -144,3 +144,30 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_it_moves_there():
     trainer = Trainer(task, TrainConfig(device="cuda", batch_size=8))
     with pytest.raises(DeviceMemoryError, match="are free"):
         trainer.check_memory(free_bytes=min(free, 1000))
+
+
+async def test_a_trainer_that_does_not_fit_stops_the_node_with_exit_11():
+    """The training service turns the trainer's DeviceMemoryError into the node's exit 11
+    (docs/operator.md), not the generic `training stopped` exit 9."""
+    from types import SimpleNamespace
+
+    from node import errors
+    from node.service import Phases
+    from node.training.service import TrainingService
+
+    def build():
+        raise DeviceMemoryError("training needs about 9.00 GiB on cuda:0 but 1.00 GiB are free")
+
+    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(outer=None), phases=Phases(),
+                          config=SimpleNamespace(heartbeat_s=1.0),
+                          membership=SimpleNamespace(swarm_step=lambda: 0))
+    service = TrainingService(build, exchange=None)
+    with pytest.raises(BaseExceptionGroup) as info:  # from the service's nursery
+        await service.run(ctx)
+    # what the CLI's run_async reports: the NodeError inside the groups (cli/common.py)
+    group = info.value.subgroup(errors.NodeError)
+    assert group is not None
+    while isinstance(group, BaseExceptionGroup):
+        (group,) = group.exceptions
+    assert type(group) is errors.DeviceMemoryError and group.exit_code == 11
+    assert str(group).startswith("training needs about 9.00 GiB on cuda:0")
