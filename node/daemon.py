@@ -81,6 +81,7 @@ class Node:
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
+        self._nursery: trio.Nursery | None = None  # run()'s, for background work
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
@@ -105,6 +106,7 @@ class Node:
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             await nursery.start(ctx.substrate.serve)
             await nursery.start(ctx.publisher.run)
@@ -260,7 +262,11 @@ class Node:
         for failure in failures:
             log.warning("bootstrap: %s", failure)
         assert substrate.dht is not None
-        await substrate.dht.bootstrap()
+        # The self-lookup fills the routing table in the background: discovery needs only
+        # the bootstrap peers (in the table once dialed, and asked directly), and waiting
+        # for the lookup's round trips made `connect` 2-3 s of a testnet node's start.
+        assert self._nursery is not None
+        self._nursery.start_soon(substrate.dht.bootstrap)
 
     def _rundoc_stamps(self) -> dict[str, list]:
         return stamps(self.ctx.run.document) if self.ctx.run else {}

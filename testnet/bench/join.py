@@ -183,14 +183,22 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
         notes.append(f"Goal join to first step <= {GOAL_JOIN_S:g} s: {met} (median "
                      f"{total:.1f} s). The costliest phases (medians): {top}.")
         notes.append(
-            "torch is imported in a background thread from the CLI's first line "
-            "(node/preload.py; `torch import s` is that thread's own time) while the node "
-            "dials, discovers, syncs and downloads; `wait for torch` is what is left of it "
-            "when the checkpoint is in (0 when it finished first). The trainer is built "
-            "from the newest checkpoint right after.")
-        if all(r["served_by"] == 1 for r in results if r["providers"]):
+            "torch is imported in a background thread from the node's start (node/preload.py;"
+            " `torch import s` is that thread's own time, start to end) while the node dials, "
+            "discovers, syncs and downloads; `wait for torch` is what is left of it when the "
+            "checkpoint is in (0 when it finished first). The trainer is built from the "
+            "newest checkpoint right after.")
+        failed = sum(1 for r in results if not r["served_by"])
+        if failed:
             notes.append(
-                f"Every checkpoint came from 1 of the {results[0]['providers']} providers "
+                f"{failed} of {len(results)} joiners did not get the checkpoint and trained "
+                "from scratch: their first anti-entropy round of the run document did not "
+                "finish within its 5 s bound (sync state 5.0 s), so the run document they "
+                "held listed no checkpoint yet (node/checkpoints/service.py).")
+        pulled = [r for r in results if r["served_by"]]
+        if pulled and all(r["served_by"] == 1 for r in pulled):
+            notes.append(
+                f"Every checkpoint came from 1 of the {pulled[0]['providers']} providers "
                 "asked: in a NoLoCo swarm each node checkpoints its own weights, so a "
                 "checkpoint has one holder, its writer, until a joiner pulls it.")
     if members:
