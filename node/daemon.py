@@ -171,7 +171,8 @@ class Node:
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
-                                                  synced=rundoc.first_sync)
+                                                  synced=rundoc.first_sync,
+                                                  still_loading=preload.loading)
             services.append(self._checkpoints)
         return services
 

@@ -84,6 +84,11 @@ async def ready() -> None:
     wait()
 
 
+def loading() -> bool:
+    """True while the import runs (started, not done)."""
+    return _thread is not None and not _done.is_set()
+
+
 def statistics() -> dict[str, Any]:
     """For `node status` and the join benchmark: did the import finish, and in how long."""
     return {"started": _thread is not None, "done": _done.is_set(),
