@@ -193,8 +193,9 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
             notes.append(
                 f"{failed} of {len(results)} joiners did not get the checkpoint and trained "
                 "from scratch: their first anti-entropy round of the run document did not "
-                "finish within its 5 s bound (sync state 5.0 s), so the run document they "
-                "held listed no checkpoint yet (node/checkpoints/service.py).")
+                "finish within its bound (5 s, 30 s while torch loads), so the run document "
+                "they held listed no checkpoint, or the pull failed (node.log says why: "
+                "retention on the writer can drop a checkpoint during a slow download).")
         pulled = [r for r in results if r["served_by"]]
         if pulled and all(r["served_by"] == 1 for r in pulled):
             notes.append(
@@ -310,7 +311,8 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"- connect: bootstrap dialed (the DHT self-lookup then goes on in the background);\n"
         f"- discover: run providers found in the DHT, manifest fetched and verified, "
         f"announced (DHT provide, heartbeats);\n"
-        f"- sync state: the first anti-entropy round of the run document (bounded by 5 s);\n"
+        f"- sync state: the first anti-entropy round of the run document (bounded by 5 s, "
+        f"or by 30 s while torch still loads);\n"
         f"- find providers: DHT lookup of the newest checkpoint's providers;\n"
         f"- download: the newest checkpoint in the run document, from every provider asked "
         f"in parallel, every chunk verified;\n"
