@@ -59,12 +59,20 @@ def log_level(value: str) -> str:
 
 
 def device(value: str) -> str:
+    """A misspelled device is exit 2; `cuda` on a machine that certainly has none is exit 10,
+    before the node dials anyone (node/device.py: without importing torch)."""
     from node import device as dev
+    from node.errors import DeviceUnavailable
 
     try:
-        return dev.parse(value)
+        spec = dev.parse(value)
     except dev.DeviceError as e:
         raise fail(f"--device {value}: {e}", 2) from None
+    try:
+        dev.precheck(spec)
+    except dev.DeviceError as e:
+        raise fail(f"--device {value}: {e}", DeviceUnavailable.exit_code) from None
+    return spec
 
 
 def manifest_file(path: Path):  # -> protocols.manifest.Manifest

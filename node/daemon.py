@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from node import preload
 from node.checkpoints.exchange import CheckpointServer
 from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
@@ -31,7 +32,12 @@ from node.discovery import remembered
 from node.discovery.mdns import MdnsService
 from node.discovery.remembered import RememberPeers
 from node.discovery.sources import NoBootstrapPeer, Source, connect_first, how_to_give_one
-from node.errors import BootstrapUnreachable, NodeError, StateDirError
+from node.errors import (
+    BootstrapUnreachable,
+    DeviceUnavailable,
+    StateDirError,
+    TrainingFailed,
+)
 from node.files import atomic_write
 from node.guard.service import GuardService, classify
 from node.membership.heartbeats import HeartbeatService
@@ -88,6 +94,7 @@ class Node:
         self.redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses)
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
+        self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
@@ -107,6 +114,12 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ctx = self.ctx
+        if self.config.run_id is not None and self.config.train:
+            # torch loads while we dial, discover and pull the checkpoint. Not earlier (the
+            # CLI's first line): the imports before this point are CPU work as well, and the
+            # two threads share one GIL; measured, 4 nodes of a testnet then started ~2.5 s
+            # later and listed each other ~2 s later (docs/benchmarks.md).
+            preload.start()
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
@@ -117,7 +130,12 @@ class Node:
                 await nursery.start(service.run, ctx)
             self._write_addrs()
             log.info("peer %s listening on %s", self.peer_id, " ".join(ctx.substrate.addrs()))
-            await self._connect_bootstrap()
+            if await self._connect_bootstrap():
+                # The DHT self-lookup fills the routing table in the background: discovery
+                # needs only the bootstrap peers (in the table once dialed, and asked
+                # directly); waiting for its round trips made `connect` 2-3 s of a start.
+                assert ctx.substrate.dht is not None
+                nursery.start_soon(ctx.substrate.dht.bootstrap)
             if self.config.run_id is None:
                 runs = ctx.runs.run_ids()
                 for run_id in runs:
@@ -129,6 +147,10 @@ class Node:
             for service in more:
                 self.services.append(service)
                 await nursery.start(service.run, ctx)
+            if self.config.run_id is not None:
+                for service in await self._trainer_services():
+                    self.services.append(service)
+                    await nursery.start(service.run, ctx)
             ctx.phases.enter("running")
             task_status.started()
 
@@ -155,6 +177,7 @@ class Node:
         document = load_document(config.state_dir, run_id, ctx.signer,
                                  list(manifest.network.admins))
         ctx.membership.attach(document)
+        ctx.device = config.device  # what was asked ("auto"), until torch says what it is
         ctx.run = RunContext(run_id, manifest, document, TrainingStats())
         rundoc = RunDocSync()
         services: list[Service] = [
@@ -163,25 +186,45 @@ class Node:
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
-        # torch takes a second or more to import: resolve the device after we are visible.
-        ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
         if config.train:
-            services += self._training_services(rundoc)
+            from node.checkpoints.service import CheckpointService
+            from node.training.build import check_swarm_algorithm
+
+            check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
+            # Pulls the newest checkpoint before it reports ready; needs no torch, which
+            # is still loading in the background (node/preload.py).
+            self._checkpoints = CheckpointService(publish=rundoc.publish,
+                                                  synced=rundoc.first_sync,
+                                                  still_loading=preload.loading)
+            services.append(self._checkpoints)
         return services
 
-    def _training_services(self, rundoc: RunDocSync) -> list[Service]:
-        """Checkpoints, averaging (and SybilWall's history gossip), the trainer."""
+    async def _trainer_services(self) -> list[Service]:
+        """Once torch is loaded: the device, averaging (and SybilWall's history gossip), the
+        trainer. Every torch-importing module is imported only after `preload.ready()`: an
+        import on the trio thread would block it on the background import's lock."""
+        ctx, config = self.ctx, self.config
+        if config.train and not preload.statistics()["done"]:
+            ctx.phases.enter("loading torch")
+        if config.train:
+            try:
+                await preload.ready()
+            except Exception as e:  # a broken torch install: exit 9 with the reason
+                raise TrainingFailed(f"training stopped: cannot import torch: "
+                                     f"{type(e).__name__}: {e}") from e
+        # `auto` asks torch; without training, torch loads only for this (in a worker).
+        ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
+        if not config.train:
+            return []
         from node.averaging.history_gossip import HistoryGossip
-        from node.averaging.service import Averager  # imports torch: only trainers pay it
-        from node.checkpoints.service import CheckpointService
-        from node.training.build import build_training, check_swarm_algorithm, neighbours
+        from node.averaging.service import Averager
+        from node.training.build import build_training, neighbours
         from node.training.service import TrainingService
 
-        ctx, config, run = self.ctx, self.config, self.ctx.the_run()
+        run, checkpoints = ctx.the_run(), self._checkpoints
+        assert checkpoints is not None
         m = run.manifest
-        check_swarm_algorithm(m, config.attack)  # a clear error and exit, not an idle node
-        checkpoints = CheckpointService(publish=rundoc.publish, synced=rundoc.first_sync)
-        services: list[Service] = [checkpoints]
+        services: list[Service] = []
         averager = None
         if m.outer.algorithm != "none":
             history = None
@@ -238,26 +281,25 @@ class Node:
             sources.append(Source("mDNS", lookup=lambda: mdns.wait_for_peers(config.mdns_wait_s)))
         return sources
 
-    async def _connect_bootstrap(self) -> None:
+    async def _connect_bootstrap(self) -> bool:
+        """Dial the first bootstrap source that answers; True if a peer was reached."""
         config, substrate = self.config, self.ctx.substrate
         sources = self._bootstrap_sources()
         named = [s for s in sources if s.addrs]
         if not named and (config.run_id is None or (self.mdns is None
                                                     and self.ctx.runs.get(config.run_id))):
-            return  # an entry point, or the run's first node: others will dial us
+            return False  # an entry point, or the run's first node: others will dial us
         self.ctx.phases.enter("connecting")
         outcome = await connect_first(substrate, sources)
         if outcome.reached:
             self.bootstrap_reached = outcome.reached
-            assert substrate.dht is not None
-            await substrate.dht.bootstrap()
-            return
+            return True
         run_id = config.run_id
         if run_id is not None and self.ctx.runs.get(run_id) is not None and (
                 not config.bootstrap):
             log.warning("no bootstrap peer reached; this node holds run %s and starts alone "
                         "(peers that know it will dial in)", run_id)
-            return
+            return False
         if not outcome.failures:
             mdns = (f"; no peer answered on mDNS within {config.mdns_wait_s:g} s"
                     if self.mdns is not None else "")
@@ -317,6 +359,7 @@ class Node:
             "announce": self.config.announce,
             "device": ctx.device if run else self.config.device,
             "attack": self.config.attack,
+            "torch_import": preload.statistics(),
             "p2p": {
                 "connections": len(substrate.connected_peers()),
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
@@ -339,7 +382,7 @@ def resolve_device_name(spec: str) -> str:
     try:
         return str(device.resolve(spec))
     except device.DeviceError as e:
-        raise NodeError(f"--device {spec}: {e}") from e
+        raise DeviceUnavailable(f"--device {spec}: {e}") from e
 
 
 async def run_node(config: NodeConfig) -> int | None:

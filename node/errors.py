@@ -34,3 +34,15 @@ class MetricsPortError(NodeError):
     a usage error, like a `--listen` that cannot bind, found before the node joins."""
 
     exit_code = 2
+
+
+class DeviceUnavailable(NodeError):
+    """`--device cuda[:N]` on a machine without that GPU (checked before the node dials)."""
+
+    exit_code = 10
+
+
+class DeviceMemoryError(NodeError):
+    """Training would not fit in the GPU's free memory (checked before the first step)."""
+
+    exit_code = 11

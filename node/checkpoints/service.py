@@ -32,6 +32,7 @@ log = logging.getLogger("node.ckpt")
 PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint providers
 SYNC_WAIT_S = 5.0  # joining: how long to wait for a first run-document sync (a first node
 # has nobody to sync with)
+SYNC_WAIT_LOADING_S = 30.0  # ... and while torch still loads (the wait then costs nothing)
 
 
 def ckpt_provider_key(cid: str) -> str:
@@ -42,9 +43,13 @@ class CheckpointService:
     name = "checkpoints"
     protocols = ()  # /peertrain/ckpt/1.0.0 is served by CheckpointServer on every node
 
-    def __init__(self, publish: Callable[[bytes], None], synced: trio.Event) -> None:
+    def __init__(self, publish: Callable[[bytes], None], synced: trio.Event,
+                 still_loading: Callable[[], bool] = lambda: False) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
+        # True while the trainer could not start anyway (torch is loading: node/preload.py);
+        # the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
+        self._still_loading = still_loading
         self.download: dict[str, Any] | None = None
         self.saved = 0
         self.failed = 0
@@ -74,6 +79,14 @@ class CheckpointService:
         ctx.phases.enter("syncing state")
         with trio.move_on_after(SYNC_WAIT_S):
             await self._synced.wait()
+        # A joiner that gives up on the sync finds no checkpoint and trains from scratch:
+        # measured on a loaded machine (load 9-20), the first sync of 3 of 3 joiners took
+        # longer than 5 s, while their torch import took 15 s. Waiting while torch loads
+        # delays nothing.
+        with trio.move_on_after(SYNC_WAIT_LOADING_S - SYNC_WAIT_S):
+            while not self._synced.is_set() and self._still_loading():
+                with trio.move_on_after(0.1):
+                    await self._synced.wait()
         entries = checkpoint_index(run.document)
         if not entries:
             return None

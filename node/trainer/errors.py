@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from node.device import DeviceError  # torch-free: the CLI checks a device before torch loads
 
-__all__ = ["ConfigError", "DataError", "DeviceError", "FactoryError", "TrainerError"]
+__all__ = ["ConfigError", "DataError", "DeviceError", "DeviceMemoryError", "FactoryError",
+           "TrainerError"]
 
 
 class TrainerError(Exception):
@@ -40,3 +41,9 @@ class FactoryError(TrainerError, ValueError):
 
 class ConfigError(TrainerError, ValueError):
     """A configuration value is out of range or unknown (task name, sizes, schedule)."""
+
+
+class DeviceMemoryError(TrainerError):
+    """Training would not fit in the GPU's free memory (node/trainer/memory_fit.py says why
+    and what to try); raised before the model moves there, or for an out-of-memory error in
+    a step."""

@@ -32,7 +32,8 @@ import torch
 
 from node.device import resolve as resolve_device
 
-from .errors import ConfigError, TrainerError
+from .errors import ConfigError, DeviceMemoryError, TrainerError
+from .memory_fit import estimate, shortfall
 from .tasks import Task
 
 CHECKPOINT_FORMAT = "peertrain.trainer"
@@ -128,9 +129,11 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, "init"))
             model = task.build_model()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        if self.device.type == "cuda":  # before the model moves there: no OOM mid-run
+            self.check_memory()
         self.model = model.to(self.device)
         self.params = list(self.model.parameters())  # the order of parameters_vector()
-        self.n_params = sum(p.numel() for p in self.params)
 
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
@@ -166,6 +169,17 @@ class Trainer:
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
 
+    def check_memory(self, free_bytes: int | None = None) -> None:
+        """DeviceMemoryError when a step's estimated memory exceeds the device's free memory
+        (node/trainer/memory_fit.py); `free_bytes` defaults to torch.cuda.mem_get_info."""
+        if free_bytes is None:
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        half = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        est = estimate(self.n_params, self.task.activation_bytes(self.config.batch_size, half))
+        reason = shortfall(est, free_bytes, str(self.device), self.config.batch_size)
+        if reason is not None:
+            raise DeviceMemoryError(reason)
+
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         # bf16 autocast on CUDA only: CPU autocast is slower than fp32 for these shapes, and
         # the weights, gradients and optimizer state stay fp32 in either case.
@@ -187,10 +201,17 @@ class Trainer:
         x, y = self.task.train_batch(self.config.batch_size, self.data_rng)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
-        with self._autocast():
-            loss = self.task.loss(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with self._autocast():
+                loss = self.task.loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        except torch.OutOfMemoryError as e:  # the estimate missed (a factory's model)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise DeviceMemoryError(
+                f"out of memory on {self.device} in step {self.step_count + 1} (batch "
+                f"{self.config.batch_size}): use a run with a smaller batch or more pipeline "
+                f"stages, or --device cpu ({str(e).splitlines()[0]})") from e
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         loss_value = loss.item()
@@ -249,7 +270,16 @@ class Trainer:
         Tied weights appear once. The vector is a copy: changing it leaves the model alone.
         """
         with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+            if self.device.type != "cuda":
+                return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            # One flatten on the GPU, one DMA into page-locked host memory (torch's caching
+            # host allocator reuses the block): not one blocking copy per tensor into
+            # pageable memory plus a host-side cat. The exchange reads the result as is.
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return host
 
     def set_parameters_vector(self, vector: torch.Tensor) -> None:
         """Copy a vector laid out as `parameters_vector()` into the model's parameters.
@@ -262,10 +292,14 @@ class Trainer:
                 f"expected a vector of {self.n_params} values, got shape {tuple(vector.shape)}"
             )
         with torch.no_grad():
+            # On CUDA: one host-to-device copy of the whole vector, then the slices move on
+            # the device (not one small transfer per tensor). Blocking: the caller may reuse
+            # `vector` as soon as this returns.
+            source = vector.to(self.device)
             offset = 0
             for p in self.params:
                 n = p.numel()
-                p.copy_(vector[offset : offset + n].view_as(p))
+                p.copy_(source[offset : offset + n].view_as(p))
                 offset += n
 
     # ----------------------------------------------------------------------------------------

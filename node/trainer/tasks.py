@@ -26,6 +26,7 @@ from torch import nn
 
 from . import data as data_mod
 from .errors import ConfigError, DataError
+from .memory_fit import gpt_activation_bytes
 from .models import GPT, DigitsMLP, GPTConfig, load_factory
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -65,6 +66,11 @@ class Task:
         """Per-batch means; the trainer weights them by batch size."""
         return {"loss": self.loss(output, target).item()}
 
+    def activation_bytes(self, batch_size: int, half: bool) -> int:
+        """Bytes of activations a training step keeps for backward (node/trainer/
+        memory_fit.py); 0 when the task has no formula for its model (a factory's)."""
+        return 0
+
     def model_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Metrics over the whole model rather than per batch (none by default)."""
         return {}
@@ -95,6 +101,13 @@ class BytesGPTTask(Task):
 
     def default_model(self) -> nn.Module:
         return GPT(self.model_config)
+
+    def activation_bytes(self, batch_size: int, half: bool) -> int:
+        if self._factory is not None:
+            return 0
+        c = self.model_config
+        return gpt_activation_bytes(batch_size, c.context, c.d_model, c.n_layers, c.n_heads,
+                                    c.vocab_size, half=half)
 
     def train_batch(self, batch_size: int, generator: torch.Generator) -> Batch:
         return data_mod.get_batch(
@@ -252,6 +265,11 @@ class DigitsMLPTask(Task):
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         accuracy = (output.argmax(dim=-1) == target).float().mean().item()
         return {**super().metrics(output, target), "accuracy": accuracy}
+
+    def activation_bytes(self, batch_size: int, half: bool) -> int:
+        """Bytes of activations a training step keeps for backward (node/trainer/
+        memory_fit.py); 0 when the task has no formula for its model (a factory's)."""
+        return 0
 
     def model_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Attack success rates on the whole test set (spec §3d), for every node, poisoned

@@ -6,7 +6,6 @@ import hashlib
 from typing import Any
 
 from node.errors import NodeError
-from node.trainer.errors import TrainerError
 from protocols import manifest as mf
 
 
@@ -116,6 +115,7 @@ def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
     reason (training starts from the initial weights instead)."""
     import logging
 
+    from node.trainer.errors import TrainerError
     from node.training.state import restore_checkpoint
 
     log = logging.getLogger("node.training")

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.errors import TrainingFailed
+from node.errors import DeviceMemoryError, TrainingFailed
+from node.trainer import errors as trainer_errors
 from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats
 from node.training.state import checkpoint_tensors
 
@@ -114,6 +115,9 @@ class TrainingService:
             nursery.start_soon(self._note_first_step, ctx)
             try:
                 await self._train_in_thread(task_status)
+            except trainer_errors.DeviceMemoryError as e:  # its own exit code and advice
+                log.error("training stopped: %s", e)
+                raise DeviceMemoryError(str(e)) from e
             except Exception as e:  # a node asked to train that cannot stops, saying why
                 log.error("training stopped: %s: %s", type(e).__name__, e)
                 raise TrainingFailed(f"training stopped: {type(e).__name__}: {e}") from e
@@ -126,7 +130,14 @@ class TrainingService:
             await trio.sleep(ctx.config.heartbeat_s / 2)
 
     async def _note_first_step(self, ctx: NodeContext) -> None:
-        """The end of a join (docs/benchmarks.md): the first step completed."""
+        """The end of a join (docs/benchmarks.md): the trainer built (model, data, newest
+        checkpoint loaded), then the first step completed."""
+        while self.stats.phase == "loading":
+            await trio.sleep(0.02)
+        if self.stats.phase == "failed":
+            return
+        ctx.phases.times.setdefault("trainer built",
+                                    round(time.monotonic() - ctx.phases.started, 3))
         while self.stats.compute_s == 0:
             await trio.sleep(0.02)
         ctx.phases.times.setdefault("first step",

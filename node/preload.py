@@ -1,0 +1,96 @@
+"""torch in the background: the p2p side starts while torch loads.
+
+`import torch` costs seconds (5.6 s cold on the 2-core dev machine, more than libp2p's
+2.7 s), and a joiner needs it only to train. The daemon calls `start()` as its node starts
+(node/daemon.py) and torch is imported in a daemon thread while the node dials its
+bootstrap peers, discovers the run and pulls the newest checkpoint; the training services
+`await ready()` (a worker thread joins the import) before they touch torch. Nothing on the
+trio thread may import a torch-importing module before `ready()` returns: Python's import
+lock would block the event loop until the background import finishes.
+
+The import competes with the trio thread for the GIL but not for the network: the gain is
+the overlap of torch's module set-up with dials, DHT lookups and downloads, where the trio
+thread waits. The CLI's own imports (libp2p's) are CPU work too, so starting torch before
+them gained nothing there and slowed the node's start (node/daemon.py says by how much).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import trio
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_done = threading.Event()
+_error: BaseException | None = None
+_seconds: float | None = None
+
+
+def start() -> None:
+    """Begin importing torch in a daemon thread (once; later calls do nothing)."""
+    global _thread
+    with _lock:
+        if _thread is not None:
+            return
+        _thread = threading.Thread(target=_load, name="peertrain-torch-import", daemon=True)
+        _thread.start()
+
+
+def _load() -> None:
+    global _error, _seconds
+    began = time.perf_counter()
+    # Not niced like the trainer thread: the import is on the path to the first step, and
+    # a niced import took 55 s instead of ~9 s on the shared 2-core machine at load 11-17
+    # (every nice-0 process of the machine ran first).
+    try:
+        # torch and what it imports on first use, nothing of ours: a module of ours being
+        # imported here (waiting on torch) would hold its import lock, and the trio thread
+        # importing it too (node.daemon shares modules with node.averaging) would block.
+        _warm_up()
+    except BaseException as e:  # reported by wait(): the node says why it cannot train
+        _error = e
+    finally:
+        _seconds = time.perf_counter() - began
+        _done.set()
+
+
+def _warm_up() -> None:
+    """One AdamW step on a 2x2 layer: torch imports more on first use, and the biggest is
+    torch._dynamo (4.4 s of a 5.8 s trainer build, measured on the dev machine), which
+    `torch.optim.AdamW.__init__` imports through its `_disable_dynamo` wrapper."""
+    import torch
+
+    layer = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.step()
+
+
+def wait() -> None:
+    """Block until torch is imported (starting the import if nobody did); re-raise its error."""
+    start()
+    _done.wait()
+    if _error is not None:
+        raise _error
+
+
+async def ready() -> None:
+    """`wait()` from the trio thread, in a worker thread: the event loop keeps running."""
+    if not _done.is_set():
+        await trio.to_thread.run_sync(wait, abandon_on_cancel=True)
+    wait()
+
+
+def loading() -> bool:
+    """True while the import runs (started, not done)."""
+    return _thread is not None and not _done.is_set()
+
+
+def statistics() -> dict[str, Any]:
+    """For `node status` and the join benchmark: did the import finish, and in how long."""
+    return {"started": _thread is not None, "done": _done.is_set(),
+            "seconds": None if _seconds is None else round(_seconds, 3),
+            "error": None if _error is None else f"{type(_error).__name__}: {_error}"}

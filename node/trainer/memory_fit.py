@@ -1,0 +1,76 @@
+"""Will training fit on the GPU? Arithmetic only (no torch), checked before the first step.
+
+An out-of-memory error mid-run loses the join (the download, the wait for a round) and
+says nothing an operator can act on; this estimate, compared with the device's free memory
+before the model moves there, turns it into one line with a suggestion.
+
+What a step holds (fp32 master weights, AdamW, bf16 autocast on CUDA):
+- weights, gradients: 4 bytes per parameter each; AdamW's two moments: 8 bytes;
+- activations kept for the backward pass of a GPT layer: s*b*h*(34 + 5*a*s/h) bytes with
+  16-bit activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 4.1; s context, b batch, h d_model, a heads), doubled for
+  fp32; the logits and the loss's fp32 copy and gradient: b*s*vocab*(2+4+4) bytes;
+- headroom: 20% on top for the caching allocator's fragmentation and cuBLAS workspaces.
+A model given by a factory has no formula: its activations are not estimated (0), and an
+out-of-memory error in the first step is reported the same way (node/training/build.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEADROOM = 0.2
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """Bytes the step needs, headroom included."""
+        return int((self.weights + self.gradients + self.optimizer + self.activations)
+                   * (1 + HEADROOM))
+
+
+def gpt_activation_bytes(batch: int, context: int, d_model: int, n_layers: int,
+                         n_heads: int, vocab: int, *, half: bool = True) -> int:
+    """Activations a byte GPT keeps for backward (module docstring: the formula)."""
+    per_layer = context * batch * d_model * (34 + 5 * n_heads * context / d_model)
+    layers = n_layers * per_layer * (1 if half else 2)
+    logits = batch * context * vocab * ((2 if half else 4) + 4 + 4)
+    return int(layers + logits)
+
+
+def estimate(n_params: int, activation_bytes: int) -> MemoryEstimate:
+    """fp32 weights and gradients, AdamW's two fp32 moments, the given activations."""
+    return MemoryEstimate(weights=4 * n_params, gradients=4 * n_params,
+                          optimizer=8 * n_params, activations=activation_bytes)
+
+
+def shortfall(est: MemoryEstimate, free_bytes: int, device: str, batch: int) -> str | None:
+    """None when the step fits in `free_bytes`; else the one-line reason and what to try."""
+    if est.total <= free_bytes:
+        return None
+    fixed = int((est.weights + est.gradients + est.optimizer) * (1 + HEADROOM))
+    if fixed <= free_bytes and est.activations > 0:
+        per_sample = est.activations * (1 + HEADROOM) / batch
+        fits = int((free_bytes - fixed) // per_sample) if per_sample else batch
+        hint = (f"train.batch_size {fits} would fit; use a run with a smaller batch, or "
+                "--device cpu" if fits >= 1 else "use a run with more pipeline stages (a "
+                "smaller model per peer), or --device cpu")
+    else:
+        hint = ("the model and its optimizer state alone do not fit: use a run with more "
+                "pipeline stages (a smaller model per peer), or --device cpu")
+    return (f"training needs about {_size(est.total)} on {device} but {_size(free_bytes)} "
+            f"are free (weights {_size(est.weights)}, gradients {_size(est.gradients)}, AdamW "
+            f"{_size(est.optimizer)}, activations for batch {batch} {_size(est.activations)}, "
+            f"+{HEADROOM:.0%}); {hint}")
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:.1f} MiB"
