@@ -360,6 +360,9 @@ def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     cls: type[BaseModel] = Manifest
     for part in loc:
         field = _fields(cls).get(part)
+        # an optional section ([pipeline]) is annotated "Section | None"
+        field = next((a for a in get_args(field) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), field) if get_args(field) else field
         if field is None or not (isinstance(field, type) and issubclass(field, BaseModel)):
             return None
         cls = field
