@@ -40,7 +40,7 @@ def batch(b: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def test_stages_compute_what_the_model_computes(layers: tuple[int, ...]) -> None:
     model = gpt()
     stages = split_gpt(model, layers)
-    x, y = batch()
+    x, _y = batch()
     out = Pipeline(stages, StageOptim()).forward(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=1e-6)
     # every weight once, the tied matrix included once (the first stage's)
