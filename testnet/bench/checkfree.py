@@ -384,10 +384,12 @@ def _section(results: dict[str, RunResult], cfg: BenchConfig, quick: bool, n_par
         f"{cfg.eval_batch} fixed windows. Machine load at the start: {load}."
     )
     image = "![checkfree](checkfree.png)" if has_plot else "(No plot: matplotlib missing.)"
-    rerun = (f"Rerun: `node bench checkfree` ({FULL.iterations} iterations, ~15 min on a "
-             f"shared 2-core machine) or `node bench checkfree --quick` ({QUICK.iterations} "
-             f"iterations, failure probability {QUICK.failure_p:g}, < 2 min); both rewrite "
-             "this section and docs/checkfree.png.")
+    rerun = (f"Rerun: `node bench checkfree` ({FULL.iterations} iterations; ~10 min on an "
+             f"idle 2-core machine, ~25 min at a load average of 8-10) or `node bench "
+             f"checkfree --quick` ({QUICK.iterations} iterations, failure probability "
+             f"{QUICK.failure_p:g}; < 2 min idle, ~8 min at a load average of 10: too short "
+             "for trained stages, a smoke run); both rewrite this section and "
+             "docs/checkfree.png (`pip install -e '.[bench]'` for the plot).")
     return "\n\n".join([
         "## Pipeline: CheckFree stage recovery",
         f"`node bench checkfree{flag}` on {machine()}; {total_s:.0f} s in all.",
