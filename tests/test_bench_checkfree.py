@@ -49,7 +49,8 @@ def test_checkfree_recovered_stage_is_the_norm_weighted_average(task) -> None:
     prev, nxt = pipe.stages[1].blocks_state(), pipe.stages[3].blocks_state()
     n_prev, n_next = pipe.runners[1].grad_norm, pipe.runners[3].grad_norm
     assert 0 < n_prev <= TINY.grad_clip and 0 < n_next <= TINY.grad_clip
-    bench.recover(pipe, "checkfree", 2, TINY, None, torch.Generator())
+    w_prev = bench.recover(pipe, "checkfree", 2, TINY, None, torch.Generator())
+    assert w_prev == pytest.approx((n_prev + 1e-4) / (n_prev + n_next + 2e-4))
     expected = checkfree_average(prev, nxt, n_prev, n_next)
     got = pipe.stages[2].blocks_state()
     assert set(got) == set(expected)

@@ -41,7 +41,7 @@ from rich.console import Console
 from node.pipeline import Pipeline, StageOptim, build_stages, micro_batches
 from node.pipeline.stages import init_blocks_state
 from node.recovery import plan, rebuild_blocks
-from node.recovery.checkfree import neighbour_average
+from node.recovery.checkfree import checkfree_weights, neighbour_average
 from node.trainer import TaskConfig, build_task
 from node.trainer.models import GPTConfig
 from node.trainer.tasks import Task
@@ -116,6 +116,7 @@ class Failure:
     spike: float = math.nan
     # iterations until the windowed excess is back within `tolerance` of its level before
     regained: int | None = None
+    w_prev: float | None = None  # an average's weight on the previous stage (0.5: plain)
 
 
 @dataclass(slots=True)
@@ -149,8 +150,10 @@ def new_pipeline(cfg: BenchConfig, swap: bool) -> Pipeline:
 
 
 def recover(pipe: Pipeline, method: str, stage: int, cfg: BenchConfig,
-            snapshot: dict[int, tuple[dict, dict]] | None, generator: torch.Generator) -> None:
-    """Rebuild `stage` of `pipe` by `method` (its weights and optimizer were lost)."""
+            snapshot: dict[int, tuple[dict, dict]] | None, generator: torch.Generator
+            ) -> float | None:
+    """Rebuild `stage` of `pipe` by `method` (its weights and optimizer were lost); for a
+    CheckFree average, return the previous neighbour's weight (0.5: a plain average)."""
     runner = pipe.runners[stage]
     target = pipe.stages[stage]
     blocks = {j: s.blocks_state() for j, s in enumerate(pipe.stages) if s.n_blocks}
@@ -160,15 +163,15 @@ def recover(pipe: Pipeline, method: str, stage: int, cfg: BenchConfig,
         target.load_blocks_state(weights)
         runner.reset_optimizer(1.0)
         runner.optimizer.load_state_dict(opt_state)
-        return
+        return None
     if method == "reinit":
         target.load_blocks_state(init_blocks_state(_gpt_config(cfg), target.n_blocks, generator))
         runner.reset_optimizer(1.0)
-        return
+        return None
     if method == "neighbour-avg":
         target.load_blocks_state(neighbour_average(blocks[stage - 1], blocks[stage + 1]))
         runner.reset_optimizer(1.0)
-        return
+        return 0.5
     mode = "checkfree+" if method.startswith("checkfree+") else "checkfree"
     p = plan(stage, pipe.layers, mode)
     norms = {j: r.grad_norm for j, r in enumerate(pipe.runners)}
@@ -176,6 +179,9 @@ def recover(pipe: Pipeline, method: str, stage: int, cfg: BenchConfig,
     if rebuilt is not None:
         target.load_blocks_state(rebuilt)
     runner.reset_optimizer(cfg.lr_boost)
+    if p.rule != "average":
+        return None
+    return checkfree_weights(norms[p.sources[0]], norms[p.sources[1]])[0]
 
 
 def _snapshot(pipe: Pipeline) -> dict[int, tuple[dict, dict]]:
@@ -208,8 +214,8 @@ def run_one(run: str, task: Task, cfg: BenchConfig, schedule: list[tuple[int, in
     for it in range(cfg.iterations):  # bounded: cfg.iterations iterations
         if it in events:
             stage = events[it]
-            recover(pipe, run, stage, cfg, snapshot, init_g)
-            result.failures.append(Failure(it, stage))
+            w_prev = recover(pipe, run, stage, cfg, snapshot, init_g)
+            result.failures.append(Failure(it, stage, w_prev=w_prev))
         x, y = task.train_batch(cfg.micro_batch * cfg.micro_batches, data_g)
         loss = pipe.train_step(micro_batches(x, y, cfg.micro_batches))
         if not math.isfinite(loss):
@@ -346,6 +352,13 @@ def findings(results: dict[str, RunResult]) -> str:
             f"checkpoint; its median spike is {spike('checkfree'):+.3f} nats/byte against "
             f"{spike('reinit'):+.3f} (re-init), {spike('checkpoint'):+.3f} (checkpoint) and "
             f"{spike('neighbour-avg'):+.3f} (plain average).")
+    weights = [f.w_prev for f in results["checkfree"].failures if f.w_prev is not None]
+    if weights:
+        lines.append(
+            f"- CheckFree's weight on the previous neighbour ranged {min(weights):.3f} to "
+            f"{max(weights):.3f} (0.5 is the plain average): the norms after clipping "
+            + ("were mostly at the clip threshold, so it was close to the plain average."
+               if max(abs(w - 0.5) for w in weights) < 0.05 else "differed."))
     plus = results["checkfree+"]
     edge = [f for f in plus.failures if f.iteration not in
             {g.iteration for g in results["checkfree"].failures}]
