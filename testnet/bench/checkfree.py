@@ -281,8 +281,7 @@ def plot(results: dict[str, RunResult], cfg: BenchConfig, path: Path) -> bool:
         ax1.axvline(it, color="grey", alpha=0.25, lw=0.8)
     ax1.axhline(0, color="black", lw=0.8)
     ax1.set(xlabel="iteration", ylabel="train loss - failure-free run's (nats/byte)",
-            title=f"cost of failures (grey: failure times; mean of {cfg.window} iterations)",
-            yscale="symlog")
+            title=f"cost of failures (grey: failure times; mean of {cfg.window} iterations)")
     for run, res in results.items():
         ax2.plot(res.eval_iters, res.val, color=COLORS[run], label=run, lw=1)
     low = min(min(r.val) for r in results.values())
@@ -339,6 +338,9 @@ def findings(results: dict[str, RunResult]) -> str:
     def spike(r: str) -> float:
         return _median([f.spike for f in results[r].failures])
 
+    def worst(r: str) -> float:
+        return max(f.spike for f in results[r].failures)
+
     lines = [
         f"- Final validation loss: no failure {base:.3f}; checkpoint {rel('checkpoint')}; "
         f"re-init {rel('reinit')}; neighbour average {rel('neighbour-avg')}; CheckFree "
@@ -351,7 +353,9 @@ def findings(results: dict[str, RunResult]) -> str:
             f"- CheckFree ends {better} random re-initialisation and {vs_ck} the stale "
             f"checkpoint; its median spike is {spike('checkfree'):+.3f} nats/byte against "
             f"{spike('reinit'):+.3f} (re-init), {spike('checkpoint'):+.3f} (checkpoint) and "
-            f"{spike('neighbour-avg'):+.3f} (plain average).")
+            f"{spike('neighbour-avg'):+.3f} (plain average); its largest, "
+            f"{worst('checkfree'):+.3f}, against {worst('reinit'):+.3f}, "
+            f"{worst('checkpoint'):+.3f} and {worst('neighbour-avg'):+.3f}.")
     weights = [f.w_prev for f in results["checkfree"].failures if f.w_prev is not None]
     if weights:
         lines.append(
