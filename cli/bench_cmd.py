@@ -100,12 +100,21 @@ def churn(quick: Quick = False) -> None:
     bench.main(quick=quick)
 
 
+@app.command()
+def checkfree(quick: Quick = False) -> None:
+    """Pipeline stage recovery: CheckFree, CheckFree+ vs checkpoint, re-init, average (PNG)."""
+    from testnet.bench import checkfree as bench
+
+    bench.main(quick=quick)
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
     p2p(quick)
     utilization(quick)
     convergence(quick)
+    checkfree(quick)
     robust(quick)
     join(quick)
     pull(quick)

@@ -102,6 +102,7 @@ DECLARATIONS: Final = (
     ("protocols.rundoc", "GOSSIP_LIMITS"),
     ("protocols.averaging", "LIMITS"),
     ("protocols.lane", "LIMITS"),
+    ("protocols.pipeline", "LIMITS"),
     ("protocols.history", "LIMITS"),
     ("protocols.heartbeat", "LIMITS"),
     ("protocols.records", "LIMITS"),

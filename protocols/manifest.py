@@ -228,6 +228,25 @@ class CheckpointSection(_Section):
     keep: Annotated[int, Field(ge=1, le=1000)] = 3
 
 
+def _layers(value: Any) -> Any:
+    return _tuple(value)
+
+
+class PipelineSection(_Section):
+    """Pipeline stages (docs/pipeline.md). Absent from a manifest: no pipeline, and the
+    canonical bytes (so the run-id) of every manifest written before it are unchanged."""
+
+    stages: Annotated[int, Field(ge=2, le=256)]
+    # layers per stage, first to last; () = an even split of model.n_layers. A 0 is allowed
+    # only at the ends: a stage holding only the embedding, or only the final norm + head.
+    layers: Annotated[tuple[Annotated[int, Field(ge=0, le=512)], ...],
+                      BeforeValidator(_layers), Field(max_length=256)] = ()
+    micro_batches: Annotated[int, Field(ge=1, le=4096)] = 4
+    routing: Literal["random", "fixed"] = "random"
+    recovery: Literal["checkfree", "checkfree+", "none"] = "checkfree"
+    lr_boost: Annotated[Float, Field(ge=1, le=10)] = 1.1  # lr x this, kept, on a rebuilt stage
+
+
 class NetworkSection(_Section):
     bootstrap: Annotated[tuple[Multiaddr, ...], BeforeValidator(_tuple),
                          Field(max_length=64)] = ()
@@ -250,6 +269,7 @@ class Manifest(_Section):
     aggregate: AggregateSection = AggregateSection()
     checkpoint: CheckpointSection = CheckpointSection()
     network: NetworkSection = NetworkSection()
+    pipeline: PipelineSection | None = None  # left out of the canonical bytes when None
 
     @model_validator(mode="after")
     def _aggregate_needs_gossip(self) -> Manifest:
@@ -261,6 +281,62 @@ class Manifest(_Section):
                 f' (it is "{self.outer.algorithm}")'
             )
         return self
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> Manifest:
+        if self.pipeline is not None:
+            problem = pipeline_problem(self)
+            if problem:
+                raise ValueError(problem)
+        return self
+
+
+def stage_layers(n_layers: int, stages: int, layers: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Transformer blocks per stage: `layers` as written, or an even split of `n_layers`
+    (the first `n_layers % stages` stages take one more)."""
+    if layers:
+        return tuple(layers)
+    base, extra = divmod(n_layers, stages)
+    return tuple(base + (i < extra) for i in range(stages))
+
+
+def pipeline_problem(m: Manifest) -> str | None:
+    """Why `m`'s [pipeline] cannot cut its model, as one `pipeline.<field>: reason` line."""
+    p = m.pipeline
+    if p is None:
+        return None
+    if m.model.task != "bytes-gpt" or m.model.factory:
+        return ('pipeline.stages: a pipeline cuts the built-in byte-level GPT; it needs '
+                'model.task = "bytes-gpt" and model.factory = ""')
+    if p.layers and len(p.layers) != p.stages:
+        return (f"pipeline.layers: must list one count per stage ({p.stages}), "
+                f"got {len(p.layers)}")
+    if p.layers and sum(p.layers) != m.model.n_layers:
+        return (f"pipeline.layers: must add up to model.n_layers = {m.model.n_layers} "
+                f"(got {sum(p.layers)})")
+    if not p.layers and m.model.n_layers < p.stages:
+        return (f"pipeline.stages: an even split of model.n_layers = {m.model.n_layers} "
+                f"needs at most that many stages (got {p.stages})")
+    layers = stage_layers(m.model.n_layers, p.stages, p.layers)
+    inner = [i for i, n in enumerate(layers[1:-1], start=1) if n == 0]
+    if inner:
+        return (f"pipeline.layers: only the first and last stage may hold 0 layers "
+                f"(stage {inner[0]} holds 0)")
+    if m.train.batch_size % p.micro_batches:
+        return (f"pipeline.micro_batches: must divide train.batch_size = "
+                f"{m.train.batch_size} (got {p.micro_batches})")
+    blocks = [n for n in layers if n]
+    if p.recovery != "none" and len(set(blocks)) > 1:
+        return (f'pipeline.recovery: "{p.recovery}" rebuilds a stage from its neighbours, '
+                f"so every stage with layers must hold as many (got {list(layers)}); "
+                'list pipeline.layers or set recovery = "none"')
+    if p.recovery == "checkfree" and len(blocks) < 3:
+        return ('pipeline.recovery: "checkfree" needs an interior stage between two stages '
+                f"with layers (got {list(layers)})")
+    if p.recovery == "checkfree+" and len(blocks) < 4:
+        return ('pipeline.recovery: "checkfree+" swaps the first two and the last two stages '
+                f"with layers, so it needs at least 4 of them (got {list(layers)})")
+    return None
 
 
 # -- turning pydantic's errors into sentences -------------------------------------------------
@@ -284,6 +360,9 @@ def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     cls: type[BaseModel] = Manifest
     for part in loc:
         field = _fields(cls).get(part)
+        # an optional section ([pipeline]) is annotated "Section | None"
+        field = next((a for a in get_args(field) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), field) if get_args(field) else field
         if field is None or not (isinstance(field, type) and issubclass(field, BaseModel)):
             return None
         cls = field
@@ -356,10 +435,18 @@ def _reason(err: Any) -> str:
     return f"{err['msg']} ({got})"  # a kind this table has not met yet: still names the field
 
 
+def _line(source: str, loc: tuple[Any, ...], reason: str) -> str:
+    # A check across sections (a model validator) names its own field: "pipeline.layers: ..."
+    named = not loc and reason.partition(": ")[0] in _CROSS_FIELDS
+    return f"{source}: {reason}" if named else f"{source}: {_path(loc)}: {reason}"
+
+
+_CROSS_FIELDS = frozenset(f"pipeline.{f}" for f in PipelineSection.model_fields)
+
+
 def _explain(e: ValidationError, source: str) -> ManifestError:
     errors = e.errors(include_url=False)
-    lines = [f"{source}: {_path(tuple(err['loc']))}: {_reason(err)}"
-             for err in errors[:MAX_ERRORS]]
+    lines = [_line(source, tuple(err["loc"]), _reason(err)) for err in errors[:MAX_ERRORS]]
     if len(errors) > MAX_ERRORS:
         lines.append(f"{source}: ... and {len(errors) - MAX_ERRORS} more problems")
     return ManifestError("\n".join(lines))
@@ -456,6 +543,8 @@ def load_manifest_file(path: str | Path) -> Manifest:
 def canonical_bytes(manifest: Manifest) -> bytes:
     """The manifest with every default filled in, as sorted, whitespace-free UTF-8 JSON."""
     doc = manifest.model_dump(mode="json", by_alias=True)
+    if doc.get("pipeline") is None:  # no pipeline: the bytes every manifest had before it
+        doc.pop("pipeline", None)
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 
@@ -517,6 +606,8 @@ def parse_canonical(data: bytes, expected_run_id: str | None = None,
 __all__ = [
     "MAX_MANIFEST_BYTES", "RUN_ID_LENGTH", "SCHEMA", "AggregateSection", "CheckpointSection",
     "DataSection", "Manifest", "ManifestError", "ManifestMismatch", "ModelSection",
-    "NetworkSection", "OuterSection", "RunSection", "TrainSection", "canonical_bytes",
-    "load_manifest_file", "parse_canonical", "parse_manifest", "run_id", "validate_run_id",
+    "NetworkSection", "OuterSection", "PipelineSection", "RunSection", "TrainSection",
+    "canonical_bytes", "load_manifest_file", "parse_canonical", "parse_manifest",
+    "pipeline_problem", "run_id",
+    "stage_layers", "validate_run_id",
 ]

@@ -138,14 +138,18 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory
 
 
 @pytest.mark.slow  # `node join` loads the manifest and torch before it refuses
-def test_a_diloco_run_is_refused_by_join_with_a_reason(tmp_path):
-    manifest = tmp_path / "diloco.toml"
-    manifest.write_text('schema = 1\n[run]\nname = "d"\n[outer]\nalgorithm = "diloco"\n')
+@pytest.mark.parametrize(("section", "reason"), [
+    ('[outer]\nalgorithm = "diloco"\n', "runs only in the convergence benchmark"),
+    ("[pipeline]\nstages = 4\n", "pipeline runs are not live yet"),
+])
+def test_runs_a_swarm_cannot_train_are_refused_by_join_with_a_reason(tmp_path, section, reason):
+    manifest = tmp_path / "run.toml"
+    manifest.write_text('schema = 1\n[run]\nname = "d"\n' + section)
     state = tmp_path / "node"
     r = run_cli("run", "create", str(manifest), "--state-dir", str(state))
     assert r.returncode == 0, r.stderr
     r = run_cli("join", r.stdout.strip(), "--state-dir", str(state), "--listen",
                 launcher.LOOPBACK, "--device", "cpu")
     assert r.returncode == 7, r.stderr
-    assert "runs only in the convergence benchmark" in r.stderr
+    assert reason in r.stderr
     assert "Traceback" not in r.stderr

@@ -24,6 +24,7 @@ from protocols import checkpoint, codecs, heartbeat, history, keys, lane, record
 from protocols import ckpt_exchange as cx
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
+from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 from protocols.wire import (
     NEED_DATA,
@@ -118,6 +119,25 @@ def averaging_exchange(data: bytes) -> None:
             elif isinstance(event, av.PeerDone):
                 vec = ex.received_vector()
                 assert vec.numel() == ex.numel and bool(torch.isfinite(vec).all())
+
+
+PIPE_EXPECT: Final = pipe.Expect(RUN, 2, d_model=8, max_batch=4, max_seq=16, micro_batches=4)
+
+
+def pipe_stream(data: bytes) -> None:
+    """A stage's PipeReceiver fed a peer's bytes: events or RemoteProtocolError; every
+    received tensor fits what the stage declared and is finite. Layout: [piece size]
+    stream."""
+    if not data:
+        return
+    rx = pipe.PipeReceiver(PIPE_EXPECT)
+    for piece in _pieces(data[1:], data[0]):
+        rx.receive_data(piece)
+        while (event := rx.next_event()) is not NEED_DATA:
+            if isinstance(event, pipe.TensorReceived):
+                b, t, d = event.tensor.shape
+                assert b <= 4 and t <= 16 and d == 8
+                assert bool(torch.isfinite(event.tensor).all())
 
 
 CODEC_NAMES: Final = (*codecs.CODECS, "lz4")
@@ -258,6 +278,7 @@ TARGETS: Final[dict[str, tuple[Callable[[bytes], None],
                                tuple[type[BaseException], ...]]]] = {
     "wire": (wire_frames, (RemoteProtocolError,)),
     "averaging": (averaging_exchange, (RemoteProtocolError,)),
+    "pipe": (pipe_stream, (RemoteProtocolError,)),
     "codecs": (codecs_decode, (RemoteProtocolError,)),
     "manifest_toml": (manifest_toml, (mf.ManifestError,)),
     "manifest_canonical": (manifest_canonical, (mf.ManifestError,)),
@@ -303,6 +324,11 @@ def seeds(name: str) -> list[bytes]:
         request = mx.encode_request(1, RUN)  # config 0: avg, 2: request; 4: in place
         return [bytes([0, 255]) + stream, bytes([4, 7]) + stream, bytes([8, 255]) + tensor,
                 bytes([2, 30]) + request]
+    if name == "pipe":
+        x = torch.linspace(-1, 1, 2 * 3 * 8).reshape(2, 3, 8)
+        stream = b"".join(bytes(p) for k in ("act", "grad")
+                          for p in pipe.encode(k, RUN, 2, 5, 1, x))
+        return [bytes([255]) + stream, bytes([3]) + stream]
     if name == "codecs":
         return [codec_config(c, 40) + bytes(codecs.encode(vec, c).payload)
                 for c in codecs.CODECS]

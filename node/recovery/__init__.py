@@ -1,0 +1,24 @@
+"""Recovering lost pipeline stages without checkpoints: CheckFree and CheckFree+.
+
+Pure functions over state dicts (node/recovery/checkfree.py); docs/pipeline.md.
+"""
+
+from node.recovery.checkfree import (
+    DEFAULT_LR_BOOST,
+    BadGradNorm,
+    EdgeCopies,
+    Plan,
+    RecoveryError,
+    check_grad_norm,
+    checkfree_average,
+    checkfree_weights,
+    neighbour_average,
+    plan,
+    rebuild_blocks,
+)
+
+__all__ = [
+    "DEFAULT_LR_BOOST", "BadGradNorm", "EdgeCopies", "Plan", "RecoveryError",
+    "check_grad_norm", "checkfree_average", "checkfree_weights", "neighbour_average", "plan",
+    "rebuild_blocks",
+]

@@ -1,0 +1,299 @@
+"""`/peertrain/pipe/1.0.0`: activations forward and gradients back between pipeline stages.
+
+One stream per (sender, receiver) pair carries a sequence of messages, each a wire
+envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
+
+    pipe.act  {run, stage, step, mb, shape, dtype}   then tensor frame "x"
+    pipe.grad {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+
+`stage` is the stage the tensor is *for* (the receiver's): activations come from stage - 1,
+gradients from stage + 1. `step` and `mb` (micro-batch) name the micro-batch, so the
+receiver files it and the backward pass finds its saved activations. On the wire every
+tensor is bfloat16 (half fp32's bytes; seq x d_model x 2 B per sequence and boundary, spec
+§1e), codec "raw", shape (batch, seq, d_model).
+
+Receiving (`PipeReceiver`, sans-IO: `receive_data` bytes, `next_event` events): the
+receiver states what it accepts (`Expect`: its run, stage, d_model, the largest batch and
+sequence, the number of micro-batches) and everything the peer announces is checked
+against it *before* anything is allocated: the envelope's fields, then the tensor frame's
+header against the envelope (shape, dtype, byte count). A tensor is never larger than
+`Expect.max_bytes`, and the stream's decoder refuses any payload above that on its header.
+A violation is a `RemoteProtocolError` with the reason (the stream is closed). A payload
+that arrives whole but holds NaN or inf is refused alone: a `Refused` event with the
+reason, and the stream goes on (framing is intact; one bad micro-batch costs that
+micro-batch). Queue bounds (how many micro-batches may wait) are the node's: this core
+holds at most one message at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.limits import StreamLimits
+from protocols.wire import (
+    NEED_DATA,
+    Envelope,
+    TensorFrame,
+    TensorHeader,
+    encode_envelope,
+    encode_tensor_frame,
+    make_tensor_header,
+    tensor_from_payload,
+    tensor_payload,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from protocols.wire import _NeedData
+
+PROTOCOL_ID: Final = "/peertrain/pipe/1.0.0"
+WIRE_DTYPE: Final = "bfloat16"
+CODEC: Final = "raw"
+MAX_ENVELOPE_BYTES: Final = 4 << 10
+MAX_TENSOR_BYTES: Final = 256 << 20  # the format's ceiling; a receiver's own is Expect.max_bytes
+MAX_STEP: Final = 2**62
+MAX_MICRO_BATCHES: Final = 4096  # as the manifest allows
+RUN_ID_MAX: Final = 64
+
+Kind = Literal["act", "grad"]
+_TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad"}
+_KINDS: Final = {v: k for k, v in _TYPES.items()}
+_NAMES: Final = {"act": "x", "grad": "g"}
+_BODY_KEYS: Final = frozenset({"run", "stage", "step", "mb", "shape", "dtype"})
+
+#: The ceilings of a pipe stream; a receiver narrows the tensor bound to its Expect.
+LIMITS: Final = StreamLimits(
+    PROTOCOL_ID,
+    MAX_ENVELOPE_BYTES,
+    MAX_TENSOR_BYTES,
+    frozenset({CODEC}),
+    note="per micro-batch; derived from the stage's measured rate (not live yet)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """What a receiving stage accepts; every field bounds what a peer can make it hold."""
+
+    run: str
+    stage: int
+    d_model: int
+    max_batch: int  # sequences per micro-batch
+    max_seq: int  # the model's context
+    micro_batches: int
+    kinds: frozenset[str] = frozenset({"act", "grad"})
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "max_batch", "max_seq", "micro_batches"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise LocalProtocolError(f"Expect.{name} must be an int >= 1")
+        if type(self.stage) is not int or self.stage < 0:
+            raise LocalProtocolError("Expect.stage must be an int >= 0")
+        if self.max_bytes > MAX_TENSOR_BYTES:
+            raise LocalProtocolError(f"Expect allows {self.max_bytes} bytes per tensor, over "
+                                     f"the format's {MAX_TENSOR_BYTES}")
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_batch * self.max_seq * self.d_model * 2  # bfloat16
+
+    def limits(self) -> StreamLimits:
+        return replace(LIMITS, max_tensor_bytes=self.max_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHeader:
+    kind: Kind
+    run: str
+    stage: int
+    step: int
+    mb: int
+    shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorReceived:
+    """A micro-batch's activations (kind "act") or gradients ("grad"), fp32, checked."""
+
+    header: MessageHeader
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A whole, well-framed message refused for its values (NaN or inf): that micro-batch
+    is lost, the stream goes on."""
+
+    header: MessageHeader
+    reason: str
+
+
+Event = TensorReceived | Refused
+
+
+def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor
+           ) -> list[bytes | memoryview]:
+    """The gather list for one message: the tensor is cast to bfloat16 (a copy) first."""
+    import torch
+
+    if kind not in _TYPES:
+        raise LocalProtocolError(f"kind must be 'act' or 'grad', not {kind!r}")
+    if tensor.dim() != 3:
+        raise LocalProtocolError(f"tensor must be (batch, seq, d_model), got {tuple(tensor.shape)}")
+    wire = tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    dtype, shape, view = tensor_payload(wire)
+    body = {"run": run, "stage": stage, "step": step, "mb": mb, "shape": list(shape),
+            "dtype": dtype}
+    problem = _body_problem(body)
+    if problem:
+        raise LocalProtocolError(problem)
+    header = make_tensor_header(_NAMES[kind], dtype, shape, CODEC, view)
+    env = encode_envelope(Envelope(_TYPES[kind], mb, body), max_frame_bytes=MAX_ENVELOPE_BYTES)
+    return [env, *encode_tensor_frame(header, view, id=mb, max_frame_bytes=MAX_ENVELOPE_BYTES)]
+
+
+class State(enum.StrEnum):
+    HEADER = "HEADER"  # waiting for a pipe.act / pipe.grad envelope
+    TENSOR = "TENSOR"  # envelope accepted: its tensor frame must follow
+    DEAD = "DEAD"  # the peer violated the protocol
+
+
+class PipeReceiver:
+    """Sans-IO reader of one pipe stream, bound to what this stage accepts (`Expect`)."""
+
+    def __init__(self, expect: Expect) -> None:
+        self.expect = expect
+        self.state = State.HEADER
+        self._pending: MessageHeader | None = None
+        self._decoder = expect.limits().decoder(payload_buffer=self._check_tensor_header)
+        self.received = 0
+        self.refused = 0
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._alive()
+        self._decoder.feed(data)
+
+    def next_event(self) -> Event | _NeedData:
+        """The next complete message, or NEED_DATA; RemoteProtocolError kills the stream."""
+        self._alive()
+        try:
+            while True:  # an envelope is not an event: read on to its tensor frame
+                event = self._decoder.next_event()
+                if event is NEED_DATA:
+                    return NEED_DATA
+                if isinstance(event, Envelope):
+                    self._on_envelope(event)
+                    continue
+                return self._on_tensor(event)
+        except RemoteProtocolError:
+            self.state = State.DEAD
+            raise
+
+    def _alive(self) -> None:
+        if self.state is State.DEAD:
+            raise RemoteProtocolError("pipe stream is dead after a protocol violation")
+
+    def _on_envelope(self, env: Envelope) -> None:
+        if self.state is not State.HEADER:
+            raise RemoteProtocolError(f"{env.type!r} envelope while a tensor frame was due")
+        kind = _KINDS.get(env.type)
+        if kind is None:
+            raise RemoteProtocolError(f"unexpected message type {_short(env.type)} on "
+                                      f"{PROTOCOL_ID}")
+        if kind not in self.expect.kinds:
+            raise RemoteProtocolError(f"stage {self.expect.stage} accepts no {env.type}")
+        body = env.body
+        problem = _body_problem(body) or self._expect_problem(kind, body)
+        if problem:
+            raise RemoteProtocolError(problem)
+        if env.id != body["mb"]:
+            raise RemoteProtocolError(f"envelope id {env.id} is not the micro-batch {body['mb']}")
+        self._pending = MessageHeader(kind, body["run"], body["stage"], body["step"],
+                                      body["mb"], tuple(body["shape"]))  # type: ignore[arg-type]
+        self.state = State.TENSOR
+
+    def _expect_problem(self, kind: str, body: dict[str, Any]) -> str | None:
+        e = self.expect
+        if body["run"] != e.run:
+            return f"run {_short(body['run'])} is not this stream's run {e.run}"
+        if body["stage"] != e.stage:
+            return f"{kind} for stage {body['stage']} sent to stage {e.stage}"
+        if body["mb"] >= e.micro_batches:
+            return f"micro-batch {body['mb']} >= the run's {e.micro_batches} per step"
+        b, t, d = body["shape"]
+        if d != e.d_model:
+            return f"shape {body['shape']}: d_model {d} is not the model's {e.d_model}"
+        if not (1 <= b <= e.max_batch and 1 <= t <= e.max_seq):
+            return (f"shape {body['shape']}: batch must be 1..{e.max_batch} and sequence "
+                    f"1..{e.max_seq}")
+        if body["dtype"] != WIRE_DTYPE:
+            return f"dtype {_short(body['dtype'])}: the wire carries {WIRE_DTYPE}"
+        return None
+
+    def _check_tensor_header(self, header: TensorHeader) -> None:
+        """Before any payload byte is buffered: the frame must be the one announced."""
+        p = self._pending
+        if p is None:
+            raise RemoteProtocolError("tensor frame without a pipe.act / pipe.grad envelope")
+        if header.name != _NAMES[p.kind]:
+            raise RemoteProtocolError(f"tensor {_short(header.name)} where "
+                                      f"{_NAMES[p.kind]!r} was announced")
+        if header.dtype != WIRE_DTYPE or header.codec != CODEC:
+            raise RemoteProtocolError(f"tensor is {_short(header.dtype)}/{_short(header.codec)}"
+                                      f", announced {WIRE_DTYPE}/{CODEC}")
+        if tuple(header.shape) != p.shape:
+            raise RemoteProtocolError(f"tensor shape {list(header.shape)} is not the announced "
+                                      f"{list(p.shape)}")
+        if header.length != math.prod(p.shape) * 2:
+            raise RemoteProtocolError(f"tensor of {header.length} bytes; {list(p.shape)} "
+                                      f"{WIRE_DTYPE} is {math.prod(p.shape) * 2}")
+        return None
+
+    def _on_tensor(self, frame: TensorFrame) -> Event:
+        p = self._pending
+        if self.state is not State.TENSOR or p is None:  # the header check refused it already
+            raise RemoteProtocolError("tensor frame without an envelope")
+        if frame.id != p.mb:
+            raise RemoteProtocolError(f"tensor frame id {frame.id} is not micro-batch {p.mb}")
+        self._pending = None
+        self.state = State.HEADER
+        tensor = tensor_from_payload(frame.header, frame.payload).float()
+        import torch
+
+        if not bool(torch.isfinite(tensor).all()):
+            self.refused += 1
+            return Refused(p, f"{p.kind} of step {p.step} micro-batch {p.mb} holds NaN or inf")
+        self.received += 1
+        return TensorReceived(p, tensor)
+
+
+def _body_problem(body: Any) -> str | None:
+    """Types and ranges of an envelope body, before anything is looked up by it."""
+    if not isinstance(body, dict) or set(body) != _BODY_KEYS:
+        keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
+        return f"pipe body must have exactly {sorted(_BODY_KEYS)}, got {_short(keys)}"
+    run = body["run"]
+    if type(run) is not str or not 1 <= len(run) <= RUN_ID_MAX:
+        return f"run must be a run-id string, got {_short(run)}"
+    for name, high in (("stage", 256), ("step", MAX_STEP), ("mb", MAX_MICRO_BATCHES)):
+        v = body[name]
+        if type(v) is not int or not 0 <= v < high:
+            return f"{name} must be an int in [0, {high}), got {_short(v)}"
+    shape = body["shape"]
+    if (type(shape) not in (list, tuple) or len(shape) != 3
+            or not all(type(d) is int and 1 <= d <= 1 << 20 for d in shape)):
+        return f"shape must be [batch, seq, d_model] of ints >= 1, got {_short(shape)}"
+    if type(body["dtype"]) is not str:
+        return f"dtype must be a string, got {_short(body['dtype'])}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -1,0 +1,166 @@
+"""`/peertrain/pipe/1.0.0` (protocols/pipeline.py): bytes in, checked tensors out."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocols import pipeline as pipe
+from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.wire import (
+    NEED_DATA,
+    Envelope,
+    encode_envelope,
+    encode_tensor_frame,
+    make_tensor_header,
+)
+
+RUN = "QmbJita7vMGEyqez8hwZgqt4fSbGk5bKTtbDPt9xfmR8G5"
+EXPECT = pipe.Expect(run=RUN, stage=2, d_model=8, max_batch=4, max_seq=16, micro_batches=4)
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def join(parts: list) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def events(data: bytes, expect: pipe.Expect = EXPECT, cut: int = 0) -> list:
+    rx = pipe.PipeReceiver(expect)
+    out = []
+    for chunk in ((data[:cut], data[cut:]) if cut else (data,)):
+        rx.receive_data(chunk)
+        while (ev := rx.next_event()) is not NEED_DATA:
+            out.append(ev)
+    return out
+
+
+def act(shape=(2, 16, 8), kind="act", stage=2, step=5, mb=1, run=RUN, fill=None) -> bytes:
+    t = torch.randn(shape) if fill is None else torch.full(shape, fill)
+    return join(pipe.encode(kind, run, stage, step, mb, t))
+
+
+def test_round_trip_is_bf16_on_the_wire() -> None:
+    t = torch.randn(3, 10, 8)
+    data = join(pipe.encode("grad", RUN, 2, 9, 3, t))
+    assert len(data) < t.numel() * 2 + 300  # 2 bytes a value, plus two small envelopes
+    (ev,) = events(data)
+    assert isinstance(ev, pipe.TensorReceived)
+    assert (ev.header.kind, ev.header.step, ev.header.mb, ev.header.shape) == (
+        "grad", 9, 3, (3, 10, 8))
+    assert ev.tensor.dtype == torch.float32
+    torch.testing.assert_close(ev.tensor, t.to(torch.bfloat16).float())
+
+
+@FAST
+@given(b=st.integers(1, 4), t=st.integers(1, 16), step=st.integers(0, 2**62 - 1),
+       mb=st.integers(0, 3), kind=st.sampled_from(["act", "grad"]), cut=st.integers(0, 400),
+       n=st.integers(1, 3))
+def test_any_valid_sequence_arrives_whole_however_it_is_cut(b, t, step, mb, kind, cut, n):
+    tensors = [torch.randn(b, t, 8) for _ in range(n)]
+    data = b"".join(join(pipe.encode(kind, RUN, 2, step, mb, x)) for x in tensors)
+    got = events(data, cut=min(cut, len(data)))
+    assert len(got) == n
+    for ev, x in zip(got, tensors, strict=True):
+        assert ev.header.shape == (b, t, 8) and ev.header.step == step
+        torch.testing.assert_close(ev.tensor, x.to(torch.bfloat16).float())
+
+
+@FAST
+@given(data=st.binary(max_size=300), prefix=st.integers(0, 2))
+def test_garbage_yields_events_or_remote_protocol_error(data: bytes, prefix: int) -> None:
+    stream = act()[: prefix * 40] + data
+    with contextlib.suppress(RemoteProtocolError):
+        events(stream)
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"stage": 3}, "act for stage 3 sent to stage 2"),
+    ({"run": "QmOther"}, "is not this stream's run"),
+    ({"mb": 4}, "micro-batch 4 >= the run's 4 per step"),
+    ({"shape": (2, 16, 9)}, "d_model 9 is not the model's 8"),
+    ({"shape": (5, 16, 8)}, "batch must be 1..4"),
+    ({"shape": (2, 17, 8)}, "sequence 1..16"),
+])
+def test_wrong_shape_stage_or_run_is_refused_with_a_reason(kwargs, reason) -> None:
+    with pytest.raises(RemoteProtocolError, match=reason):
+        events(act(**kwargs))
+
+
+def test_a_declared_huge_tensor_is_refused_before_allocation() -> None:
+    # A fine envelope, then a tensor header announcing 1 GiB (and no payload at all): the
+    # stream's decoder is bounded by this stage's largest micro-batch (1 KiB here).
+    body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
+            "dtype": "bfloat16"}
+    head = msgpack.packb({"v": 1, "t": "tensor", "id": 0, "b": {
+        "name": "x", "dtype": "bfloat16", "shape": [16384, 32768], "codec": "raw",
+        "length": 1 << 30, "crc32": 0}})
+    rx = pipe.PipeReceiver(EXPECT)
+    rx.receive_data(encode_envelope(Envelope("pipe.act", 0, body)))
+    rx.receive_data(len(head).to_bytes(4, "big") + head)
+    with pytest.raises(RemoteProtocolError, match="1073741824"):
+        rx.next_event()
+    assert rx.state is pipe.State.DEAD
+    with pytest.raises(RemoteProtocolError, match="dead"):
+        rx.receive_data(b"x")
+
+
+def test_tensor_frame_must_match_its_envelope() -> None:
+    body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
+            "dtype": "bfloat16"}
+    env = encode_envelope(Envelope("pipe.act", 0, body))
+    other = torch.zeros(2, 8, 8, dtype=torch.bfloat16)
+    from protocols.wire import tensor_payload
+
+    dtype, shape, view = tensor_payload(other)
+    frame = join(encode_tensor_frame(make_tensor_header("x", dtype, shape, "raw", view), view))
+    with pytest.raises(RemoteProtocolError, match="not the announced"):
+        events(env + frame)
+    f32 = torch.zeros(2, 16, 8)
+    dtype, shape, view = tensor_payload(f32)
+    frame = join(encode_tensor_frame(make_tensor_header("x", dtype, shape, "raw", view), view))
+    with pytest.raises(RemoteProtocolError):  # float32: over the bound, or the wrong dtype
+        events(env + frame)
+    with pytest.raises(RemoteProtocolError, match="without"):
+        events(frame)
+
+
+def test_announced_dtype_other_than_bf16_is_refused() -> None:
+    body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
+            "dtype": "float32"}
+    with pytest.raises(RemoteProtocolError, match="the wire carries bfloat16"):
+        events(encode_envelope(Envelope("pipe.act", 0, body)))
+
+
+def test_nan_costs_that_micro_batch_and_the_stream_goes_on() -> None:
+    data = act(fill=math.nan, mb=0) + act(mb=1) + act(fill=math.inf, mb=2)
+    evs = events(data)
+    assert [type(e).__name__ for e in evs] == ["Refused", "TensorReceived", "Refused"]
+    assert "NaN or inf" in evs[0].reason and evs[0].header.mb == 0
+
+
+def test_a_stage_that_takes_only_activations_refuses_gradients() -> None:
+    only = pipe.Expect(RUN, 2, 8, 4, 16, 4, kinds=frozenset({"act"}))
+    with pytest.raises(RemoteProtocolError, match=r"accepts no pipe\.grad"):
+        events(act(kind="grad"), only)
+
+
+def test_local_misuse_is_a_local_error() -> None:
+    with pytest.raises(LocalProtocolError, match="batch, seq, d_model"):
+        pipe.encode("act", RUN, 0, 0, 0, torch.zeros(4, 4))
+    with pytest.raises(LocalProtocolError, match="kind"):
+        pipe.encode("weights", RUN, 0, 0, 0, torch.zeros(1, 1, 1))  # type: ignore[arg-type]
+    with pytest.raises(LocalProtocolError, match="stage"):
+        pipe.encode("act", RUN, -1, 0, 0, torch.zeros(1, 1, 1))
+    with pytest.raises(LocalProtocolError, match="over the format"):
+        pipe.Expect(RUN, 0, 16384, 64, 65536, 4)
+
+
+def test_the_receivers_bound_is_its_own_largest_micro_batch() -> None:
+    assert EXPECT.limits().max_tensor_bytes == 4 * 16 * 8 * 2
+    assert pipe.LIMITS.protocol == pipe.PROTOCOL_ID == "/peertrain/pipe/1.0.0"
