@@ -44,12 +44,13 @@ def test_unreachable_bootstrap(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.slow
 def test_bootstrap_that_is_not_a_multiaddr(tmp_path):
+    """A usage error (exit 2), refused before the node starts: nothing is written."""
     r = run_cli("join", UNKNOWN_RUN, "--state-dir", str(tmp_path / "n"),
                 "--bootstrap", "localhost:4001", "--no-train")
-    assert r.returncode == 3, r.stderr
-    assert "not a peer multiaddr" in r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --bootstrap localhost:4001: not a peer multiaddr")
+    assert not (tmp_path / "n").exists()
 
 
 @pytest.mark.slow
