@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from node.status.control import query_control
@@ -25,6 +26,10 @@ from testnet import launcher
 REPO = Path(__file__).resolve().parents[1]
 # Inherited by every node process a test starts (tests/data/loopback.toml says why).
 os.environ["PEERTRAIN_CONFIG"] = str(REPO / "tests" / "data" / "loopback.toml")
+# The tests' own tensors are tiny: torch's intra-op threads only contend, and beside a
+# busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower. Node
+# processes the tests start choose their own threads.
+torch.set_num_threads(1)
 
 
 def feed_in_place(core: Any, feed: Callable[[memoryview], None], chunk: memoryview) -> list:

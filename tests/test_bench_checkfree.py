@@ -26,12 +26,7 @@ SCHEDULE = [(6, 2), (11, 1)]  # an interior stage, then an edge stage (CheckFree
 
 @pytest.fixture(scope="module")
 def task():
-    # One thread, as the benchmark runs: on a loaded 2-core machine torch's 2 threads made
-    # these tiny steps ~30x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield bench.build_bench_task(TINY)
-    torch.set_num_threads(threads)
+    return bench.build_bench_task(TINY)  # on one thread, as the benchmark runs (conftest)
 
 
 def trained(task, swap: bool = False, steps: int = 3) -> bench.Pipeline:

@@ -126,8 +126,9 @@ class FakeSubstrate:
     peer_id = "me"
     dht_server = True
 
-    def __init__(self) -> None:
+    def __init__(self, listen: str = "/ip4/198.19.9.2/tcp/4001") -> None:
         self.announced: list[str] = []
+        self.listen = [listen]
 
     def set_handler(self, protocol, handler) -> None: ...
     def connected_peers(self) -> list: return []
@@ -179,6 +180,14 @@ async def test_a_mapping_is_announced_renewed_at_half_lease_and_removed_on_stop(
     assert svc.renewals == 3
     assert [m.multiaddr for m in gw.unmapped] == ["/ip4/198.18.9.2/tcp/4001"]
     assert sub.announced == [] and svc.mapping is None and svc.upnp_state == "removed"
+
+
+async def test_a_node_on_loopback_only_never_asks_a_gateway(autojump_clock):
+    sub, gw = FakeSubstrate("/ip4/127.0.0.1/tcp/4001"), FakeGateway()
+    svc = ReachabilityService(gateway=gw)  # type: ignore[arg-type]
+    await _run_private(svc, sub, 700)
+    assert gw.maps == [] and gw.url is None and sub.announced == []
+    assert svc.statistics()["upnp"]["state"] == "off (loopback only)"
 
 
 async def test_a_gateway_that_answers_garbage_leaves_the_node_private_and_retrying(

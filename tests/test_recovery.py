@@ -21,15 +21,6 @@ from node.recovery import (
 )
 from node.trainer.models import GPT, GPTConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: torch's threads only contend on a loaded 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 CFG = GPTConfig(d_model=16, n_layers=6, n_heads=2, context=8)
 LAYERS = (0, 1, 1, 1, 1, 1, 1, 0)
 
