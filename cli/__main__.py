@@ -2,4 +2,4 @@
 
 from cli.main import app
 
-app()
+app(prog_name="node")  # usage lines and shell completion ($_NODE_COMPLETE) say `node`

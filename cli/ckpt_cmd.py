@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from cli.common import err, fail, out, run_async
+from cli.common import StateDir, err, fail, out, run_async
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.config import default_state_dir
 from node.errors import NodeError
 
 app = typer.Typer(no_args_is_help=True, help="List, verify and pull checkpoints.")
-StateDir = Annotated[Path | None, typer.Option("--state-dir", help="The node's state dir.")]
 
 
 @app.command("ls")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import trio
 import typer
+import typer.core
+import typer.main
 from rich.console import Console
 from rich.text import Text
 
@@ -33,14 +36,67 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+StateDir = Annotated[Path | None, typer.Option(
+    "--state-dir", help="The node's identity, logs and run data. Default: the user data dir.",
+    show_default=False)]
+
+# What a value is, as a person reads it in --help (typer would print <list[str]>, <bool>).
+METAVARS = {
+    "bootstrap": "MULTIADDR", "listen": "MULTIADDR", "announce": "MULTIADDR",
+    "from": "MULTIADDR", "state_dir": "DIR", "dir": "DIR", "config": "FILE", "data": "FILE",
+    "manifest": "FILE", "device": "auto|cpu|cuda[:N]", "log_level": "LEVEL",
+    "neighbour": "PEER_ID", "attack": "label-flip|backdoor", "run": "RUN_ID",
+}
+
+
+def humane_help(command: Any) -> Any:
+    """Name every value in --help for what it is: MULTIADDR, DIR, SECONDS, N instead of
+    <list[str]>, <path>, <float>, <int>; arguments in capitals."""
+    for param in command.params:
+        if param.metavar is not None or getattr(param, "is_flag", False):
+            continue
+        if param.param_type_name == "argument":
+            param.metavar = (param.name or "").upper()
+        elif param.name in METAVARS:
+            param.metavar = METAVARS[param.name]
+        else:
+            desc = param.type_descriptor
+            kind = getattr(desc.annotation, "__name__", "")
+            seconds = any(w in (param.name or "") for w in ("timeout", "duration", "interval"))
+            param.metavar = ("SECONDS" if seconds else "NUMBER" if kind == "float"
+                             else "N" if kind == "int" else "PATH" if desc.is_path
+                             else "TEXT")
+    for sub in getattr(command, "commands", {}).values():
+        humane_help(sub)
+    return command
+
+
+def _plain_usage_name(self: Any) -> str:
+    """RUN_ID, [NODE], FILE...: click's usage convention (typer 0.29 writes {RUN_ID})."""
+    name = self.display_name_raw
+    name = name if self.required else f"[{name}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+# typer 0.29 writes arguments as {RUN_ID} in usage, <str> beside their name and <bool>
+# beside every flag (--help too): small patches of its help rendering
+# (tests/test_cli_help.py pins what a user sees).
+_option_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperArgument._usage_display_name = _plain_usage_name  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-assign]
+typer.core.TyperOption.display_type_rich = (  # type: ignore[method-assign]
+    lambda self, ctx: None if self.is_flag else _option_type(self, ctx))
+
+
 class App(typer.Typer):
     """typer.Typer whose usage errors (a bad flag value, a missing argument) print as one
-    `error:` line with exit 2, like the CLI's own errors, instead of a rich panel."""
+    `error:` line with exit 2, like the CLI's own errors, instead of a rich panel; its help
+    names values as a person reads them (humane_help)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("standalone_mode", False)
         try:
-            code = super().__call__(*args, **kwargs)
+            code = humane_help(typer.main.get_command(self))(*args, **kwargs)
         except typer.TyperException as e:
             show = getattr(e, "show", None)
             if type(e).__name__ == "NoArgsIsHelpError" and show is not None:

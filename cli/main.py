@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from cli import checks, config_cmd
-from cli.common import App, err, fail, out, run_async
+from cli.common import App, StateDir, err, fail, out, run_async
+from cli.lifecycle import EXIT_SIGINT
 from node import state_lock
 from node.config import NodeConfig, default_state_dir
 from node.errors import NodeError
@@ -22,15 +23,30 @@ from node.status.control import ControlUnavailable, query_control
 from node.status.logs import setup_logging
 from node.training.data_check import check_text_files
 
-app = App(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = App(no_args_is_help=True, pretty_exceptions_enable=False,
+          context_settings={"help_option_names": ["-h", "--help"]},
           help="peertrain: contribute a CPU or GPU to a shared training run.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"peertrain {version('peertrain')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option(
+        "--version", "-V", callback=_version, is_eager=True,
+        help="Print the version and exit.")] = False,
+) -> None:
+    """peertrain: contribute a CPU or GPU to a shared training run."""
 run_app = typer.Typer(no_args_is_help=True, help="Create and inspect run manifests.")
 app.add_typer(run_app, name="run")
 
 
-StateDir = Annotated[Path | None, typer.Option(
-    "--state-dir", help="Identity, logs and run data. Default: the user data dir.",
-    show_default=False)]
 Bootstrap = Annotated[list[str] | None, typer.Option(
     "--bootstrap", "-b", help="Multiaddr of a peer to start from (repeatable). Default: "
     "$PEERTRAIN_BOOTSTRAP, the config file, remembered peers, mDNS.", show_default=False)]
@@ -293,24 +309,66 @@ def run_show(
 @app.command()
 def status(
     state_dir: StateDir = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (with "
+                                          "--watch: one JSON document per line).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", metavar="SECONDS", help="How often --watch asks the node.")] = 2.0,
 ) -> None:
     """Show what the local node is doing: run, peers, addresses, uptime."""
-    try:
-        st = query_control(state_dir or default_state_dir())
-    except ControlUnavailable as e:
-        raise fail(str(e)) from None
-    if as_json:
-        print(json.dumps(st, indent=2))
-        return
     from cli.render import node_status_table
 
-    out.print(node_status_table(st))
+    state_dir = state_dir or default_state_dir()
+    if not watch:
+        try:
+            st = query_control(state_dir)
+        except ControlUnavailable as e:
+            raise fail(str(e)) from None
+        if as_json:
+            print(json.dumps(st, indent=2))
+        else:
+            out.print(node_status_table(st))
+        return
+    interval = checks.positive_seconds("--interval", interval)
+    try:
+        _watch_status(state_dir, interval, as_json)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_SIGINT) from None
 
 
-from cli import bench_cmd, ckpt_cmd, testnet_cmd  # noqa: E402  (sub-commands)
+def _watch_status(state_dir: Path, interval: float, as_json: bool) -> None:
+    """Ask the node every `interval` s and redraw; a node that stops (or is not started
+    yet) is a line in the view, not the end of the watch."""
+    import time
+
+    from rich.live import Live
+    from rich.text import Text
+
+    from cli.render import node_status_table
+
+    def view() -> Any:
+        try:
+            st = query_control(state_dir)
+        except ControlUnavailable as e:
+            return None, Text(f"{e} (watching; Ctrl-C to stop)")
+        return st, node_status_table(st)
+
+    if as_json:
+        while True:
+            st, _ = view()
+            print(json.dumps(st if st is not None else {"error": "no node answering"}),
+                  flush=True)
+            time.sleep(interval)
+    with Live(view()[1], console=out, auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(view()[1], refresh=True)
+
+
+from cli import bench_cmd, ckpt_cmd, logs_cmd, testnet_cmd  # noqa: E402  (sub-commands)
 
 app.add_typer(testnet_cmd.app, name="testnet")
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(ckpt_cmd.app, name="ckpt")
 app.add_typer(config_cmd.app, name="config")
+app.command("logs")(logs_cmd.logs)

@@ -7,7 +7,6 @@ import math
 import re
 import signal
 import threading
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +15,7 @@ from rich.live import Live
 
 from cli import checks
 from cli.common import err, fail, out
+from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
 from testnet import churn, launcher, nat, netns
 
@@ -265,13 +265,7 @@ def logs(
                       markup=False)
             continue
         for line in raw:
-            try:
-                doc = json.loads(line)
-                stamp = datetime.fromtimestamp(doc["ts"]).strftime("%H:%M:%S")
-                out.print(f"{stamp} {doc['level']:7} {doc['logger']}: {doc['msg']}",
-                          highlight=False, markup=False)
-            except (ValueError, KeyError):
-                out.print(line, highlight=False, markup=False)
+            out.print(render_log_line(line), highlight=False, markup=False)
 
 
 @app.command()

@@ -45,7 +45,7 @@ from node.recovery.checkfree import checkfree_weights, neighbour_average
 from node.trainer import TaskConfig, build_task
 from node.trainer.models import GPTConfig
 from node.trainer.tasks import Task
-from testnet.bench.report import DOC, machine, md_table, print_tables, write_section
+from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 RUNS = ("none", "checkpoint", "reinit", "neighbour-avg", "checkfree", "checkfree+",
         "checkfree+ (no failures)")
@@ -264,12 +264,8 @@ def _excess(res: RunResult, base: RunResult, w: int) -> list[float]:
 
 
 def plot(results: dict[str, RunResult], cfg: BenchConfig, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     base = results["none"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))

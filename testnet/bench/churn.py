@@ -31,7 +31,7 @@ from typing import Any
 
 from node.checkpoints.store import CheckpointStore
 from testnet import churn, launcher
-from testnet.bench.report import DOC, machine, md_table, write_section
+from testnet.bench.report import DOC, machine, md_table, pyplot, write_section
 from testnet.observe import ask, holds, until
 
 FULL = {"nodes": 8, "rate": 2.0, "duration_s": 600.0}
@@ -280,12 +280,8 @@ def analyse(res: dict[str, Any]) -> dict[str, Any]:
 
 def plot(res: dict[str, Any], path: Path) -> bool:
     """Loss and step of every node over time, kills marked. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     samples, events = res["samples"], res["state"]["events"]
     names = sorted({s["name"] for s in samples}, key=lambda x: int(x[4:]) if x[4:].isdigit() else 0)

@@ -44,7 +44,7 @@ from rich.console import Console
 from node.optim import DiLoCo, DiLoCoConfig, NoLoCo, NoLoCoConfig, noloco_groups
 from node.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
 from node.trainer.tasks import Task
-from testnet.bench.report import DOC, machine, md_table, print_tables, write_section
+from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 METHODS = ("noloco", "diloco", "noloco-all", "none", "sync")
 NOLOCO = NoLoCoConfig(outer_lr=0.7, momentum=0.5)
@@ -258,12 +258,8 @@ def run_method(
 
 def plot(results: dict[str, MethodResult], cfg: BenchConfig, path: Path) -> bool:
     """The two-panel PNG; False (and nothing written) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for method, res in results.items():

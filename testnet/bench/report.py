@@ -8,7 +8,7 @@ import re
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,6 +29,19 @@ def machine() -> str:
     libs = ", ".join(f"{p} {version(p)}" for p in ("libp2p", "trio", "torch"))
     return (f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores ({cpu}), "
             f"Python {platform.python_version()}, {libs}")
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot drawing to files (Agg), or None when matplotlib (the `bench`
+    extra) is not installed: a benchmark then writes its table and says there is no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def write_section(name: str, body: str, doc: Path = DOC) -> None:

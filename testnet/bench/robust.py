@@ -32,7 +32,7 @@ from pathlib import Path
 from rich.console import Console
 
 from testnet.bench import robust_sim as sim
-from testnet.bench.report import DOC, machine, md_table, print_tables, write_section
+from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 AGGREGATORS = ("mean", "median", "krum", "foolsgold", "sybilwall")
 ATTACKS = ("label-flip", "backdoor")
@@ -385,12 +385,8 @@ def verdicts(res: Results, cfg: BenchConfig) -> Verdicts:
 def plot(res: Results, cfg: BenchConfig, path: Path) -> bool:
     """Four panels: VC accuracy and variance by round, attack success by K per aggregator.
     False (and nothing written) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     ax_acc, ax_var = axes[0]
