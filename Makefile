@@ -20,9 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/node testnet up --nodes $(NODES)
 
+# Two workers, a file at a time each (tests/conftest.py): most node-process tests wait on
+# deadlines, restarts and rounds more than they compute, so two files overlap well.
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # The edit loop: everything but the tests that start node processes (marked slow) and the
 # js-libp2p interop test; seconds to about a minute.

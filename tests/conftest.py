@@ -136,3 +136,17 @@ def testnet_factory(tmp_path: Path) -> Iterator[Callable[..., launcher.Testnet]]
     yield start
     for directory in started:
         launcher.down(directory)
+
+
+# Files that build network namespaces: never two at once (one kernel, one set of names).
+NETNS_FILES = {"test_partition.py", "test_nat.py", "test_join_mdns.py",
+               "test_bench_join_pull_partition.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): a file's tests stay on
+    one worker (module fixtures are built once, a file's node processes never race each
+    other), and the namespace files share one group, so they run one after the other."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("netns" if name in NETNS_FILES else name))
