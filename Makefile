@@ -30,7 +30,7 @@ test: venv
 # js-libp2p interop test; seconds to about a minute.
 test-fast: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not interop"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not interop"
 
 lint: venv
 	$(BIN)/ruff check .
