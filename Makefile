@@ -20,14 +20,14 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/node testnet up --nodes $(NODES)
 
-# Two workers, a file at a time each (tests/conftest.py): most node-process tests wait on
-# deadlines, restarts and rounds more than they compute, so two files overlap well.
+# One worker: two files of node processes at once on 2 cores is a heavier load than the
+# suite is shown to pass under (a CPU burner beside it), and it did fail there.
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 # The edit loop: everything but the tests that start node processes (marked slow) and the
-# js-libp2p interop test; seconds to about a minute.
+# js-libp2p interop test, on 2 workers (a file per worker, tests/conftest.py); about a minute.
 test-fast: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not interop"

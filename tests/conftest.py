@@ -9,6 +9,7 @@ generous on purpose (a deadline never slows a passing test down)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,10 @@ from testnet import launcher
 REPO = Path(__file__).resolve().parents[1]
 # Inherited by every node process a test starts (tests/data/loopback.toml says why).
 os.environ["PEERTRAIN_CONFIG"] = str(REPO / "tests" / "data" / "loopback.toml")
+# A pytest-xdist worker ignores SIGINT, and a child inherits an ignored signal: Python in
+# it would then never raise KeyboardInterrupt, and the tests that Ctrl-C a process
+# (a follower, a watcher, the launcher) would wait in vain. Children get the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # The tests' own tensors are tiny: torch's intra-op threads only contend, and beside a
 # busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower. Node
 # processes the tests start choose their own threads.
@@ -144,7 +149,7 @@ NETNS_FILES = {"test_partition.py", "test_nat.py", "test_join_mdns.py",
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): a file's tests stay on
+    """With pytest-xdist (`make test-fast` runs `-n 2 --dist loadgroup`): a file's tests stay on
     one worker (module fixtures are built once, a file's node processes never race each
     other), and the namespace files share one group, so they run one after the other."""
     for item in items:
