@@ -25,16 +25,22 @@ from node.status.control import query_control
 from testnet import launcher
 
 REPO = Path(__file__).resolve().parents[1]
-# Inherited by every node process a test starts (tests/data/loopback.toml says why).
-os.environ["PEERTRAIN_CONFIG"] = str(REPO / "tests" / "data" / "loopback.toml")
-# A pytest-xdist worker ignores SIGINT, and a child inherits an ignored signal: Python in
-# it would then never raise KeyboardInterrupt, and the tests that Ctrl-C a process
-# (a follower, a watcher, the launcher) would wait in vain. Children get the default.
-signal.signal(signal.SIGINT, signal.default_int_handler)
-# The tests' own tensors are tiny: torch's intra-op threads only contend, and beside a
-# busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower. Node
-# processes the tests start choose their own threads.
-torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test process's own settings. A hook, not module code: a node process imports
+    test modules too (a test's model factory), and must not get these, least of all from
+    its trainer thread, where signal.signal raises."""
+    # Inherited by every node process a test starts (tests/data/loopback.toml says why).
+    os.environ["PEERTRAIN_CONFIG"] = str(REPO / "tests" / "data" / "loopback.toml")
+    # A pytest-xdist worker ignores SIGINT, and a child inherits an ignored signal: Python
+    # in it would then never raise KeyboardInterrupt, and the tests that Ctrl-C a process
+    # (a follower, a watcher, the launcher) would wait in vain. Children get the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The tests' own tensors are tiny: torch's intra-op threads only contend, and beside a
+    # busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower.
+    # Node processes the tests start choose their own threads.
+    torch.set_num_threads(1)
 
 
 def feed_in_place(core: Any, feed: Callable[[memoryview], None], chunk: memoryview) -> list:
