@@ -8,6 +8,7 @@ generous on purpose (a deadline never slows a passing test down)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -128,9 +129,38 @@ def nodes(net: launcher.Testnet) -> list[launcher.Proc]:
 
 
 def run_cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`node ARGS` in a fresh `python -m cli` process: for commands that start nodes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+
+
+_zygote: subprocess.Popen | None = None
+
+
+def cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`node ARGS` in a process forked from one that has imported the CLI already
+    (tests/cli_zygote.py): a process of its own per command, its exit status and output,
+    without a second of imports each. For commands that end before a node starts."""
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        _zygote = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")],
+                                   cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert _zygote.stdin is not None and _zygote.stdout is not None
+    request = {"argv": list(args), "cwd": str(cwd), "timeout": timeout}
+    _zygote.stdin.write(json.dumps(request) + "\n")
+    _zygote.stdin.flush()
+    answer = json.loads(_zygote.stdout.readline())
+    return subprocess.CompletedProcess(["node", *args], answer["code"], answer["stdout"],
+                                       answer["stderr"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _zygote is not None and _zygote.poll() is None:
+        _zygote.stdin.close()  # type: ignore[union-attr]  # its loop ends, and it exits
+        _zygote.wait(timeout=10)
 
 
 @pytest.fixture

@@ -18,13 +18,13 @@ from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
 from testnet import launcher
-from tests.conftest import answer, await_until, run_cli, status
+from tests.conftest import answer, await_until, cli, run_cli, status
 
 UNKNOWN_RUN = mf.run_id(b"no such run")
 
 
 def test_malformed_run_id_is_refused_before_anything_starts(tmp_path):
-    r = run_cli("join", "not-a-run-id", "--state-dir", str(tmp_path / "n"))
+    r = cli("join", "not-a-run-id", "--state-dir", str(tmp_path / "n"))
     assert r.returncode == 2
     assert "not a peertrain run-id" in r.stderr
     assert "Traceback" not in r.stderr
@@ -46,7 +46,7 @@ def test_unreachable_bootstrap(tmp_path):
 
 def test_bootstrap_that_is_not_a_multiaddr(tmp_path):
     """A usage error (exit 2), refused before the node starts: nothing is written."""
-    r = run_cli("join", UNKNOWN_RUN, "--state-dir", str(tmp_path / "n"),
+    r = cli("join", UNKNOWN_RUN, "--state-dir", str(tmp_path / "n"),
                 "--bootstrap", "localhost:4001", "--no-train")
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: --bootstrap localhost:4001: not a peer multiaddr")
@@ -68,7 +68,7 @@ def test_wrong_run_id_names_the_run_and_what_to_check(testnet_factory):
 def test_invalid_manifest_names_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('schema = 1\n[run]\nname = "x"\n[outer]\ninner_steps = 0\n')
-    r = run_cli("run", "create", str(bad), "--state-dir", str(tmp_path / "s"))
+    r = cli("run", "create", str(bad), "--state-dir", str(tmp_path / "s"))
     assert r.returncode == 2
     assert "outer.inner_steps" in r.stderr
     assert "Traceback" not in r.stderr

@@ -16,7 +16,7 @@ import pytest
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
-from tests.conftest import REPO, run_cli, wait_until
+from tests.conftest import REPO, cli, run_cli, wait_until
 from tests.test_swarm_training import FAST_RUN
 
 RUN = mf.run_id(b"no such run")
@@ -107,7 +107,7 @@ CASES = [
                          ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_values_get_one_line_and_the_documented_exit_code(files, argv, code, says):
     argv = [a.replace("{t}", str(files)) for a in argv]
-    r = run_cli(*argv, timeout=60)
+    r = cli(*argv, timeout=60)
     lines = [line for line in r.stderr.strip().splitlines()
              if not line[:8].replace(":", "").isdigit()]  # log lines of a node that started
     assert r.returncode == code, r.stderr

@@ -17,7 +17,7 @@ import typer.main
 
 from cli.common import humane_help
 from cli.main import app
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli
 
 # typer's own spellings that a person should never see in our help
 TYPER_SPELLINGS = ("<bool>", "<list[", "<str>", "<path>", "<float>", "<int>", "{")
@@ -44,9 +44,9 @@ def test_every_help_names_values_as_a_person_reads_them(capsys, monkeypatch):
 
 
 def test_version_and_short_help():
-    r = run_cli("--version")
+    r = cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("peertrain "), r
-    r = run_cli("join", "-h")
+    r = cli("join", "-h")
     assert r.returncode == 0 and "Usage: node join [OPTIONS] RUN_ID" in r.stdout
 
 
@@ -67,18 +67,18 @@ def test_logs_render_records_extras_and_other_lines(tmp_path: Path):
     (tmp_path / "node.log").write_text("\n".join([
         record("first"), record("refused offer", peer="12D3x", reason="offer"),
         "not json at all", record("last")]) + "\n")
-    r = run_cli("logs", "--state-dir", str(tmp_path), "-n", "3")
+    r = cli("logs", "--state-dir", str(tmp_path), "-n", "3")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 3 and "first" not in r.stdout
     assert lines[0].endswith("info    node: refused offer  [peer=12D3x reason=offer]")
     assert lines[1] == "not json at all"
-    r = run_cli("logs", "--state-dir", str(tmp_path), "-n", "1", "--json")
+    r = cli("logs", "--state-dir", str(tmp_path), "-n", "1", "--json")
     assert json.loads(r.stdout)["msg"] == "last"
 
 
 def test_logs_of_a_state_dir_without_a_log_is_one_line(tmp_path: Path):
-    r = run_cli("logs", "--state-dir", str(tmp_path))
+    r = cli("logs", "--state-dir", str(tmp_path))
     assert r.returncode == 1
     assert r.stderr == f"error: no log at {tmp_path}/node.log: no node has run with that " \
                        "state directory\n"
@@ -138,5 +138,5 @@ def test_status_watch_keeps_watching_while_no_node_answers(tmp_path: Path):
 
 
 def test_status_watch_refuses_a_bad_interval(tmp_path: Path):
-    r = run_cli("status", "--watch", "--interval", "0", "--state-dir", str(tmp_path))
+    r = cli("status", "--watch", "--interval", "0", "--state-dir", str(tmp_path))
     assert r.returncode == 2 and r.stderr.startswith("error: --interval 0"), r

@@ -17,7 +17,7 @@ from node.discovery import remembered
 from node.discovery.addrs import shareable
 from protocols import manifest as mf
 from protocols import ticket as tk
-from tests.conftest import run_cli
+from tests.conftest import cli
 
 RUN = mf.run_id(b"a run")
 PEER = "12D3KooWMjaBEkKWfJNw1JoiV6UqwyqrtfienDAHyutXwAgii5RE"
@@ -175,15 +175,15 @@ def test_shareable_addresses_put_announced_first_and_drop_loopback_when_others_e
 
 def test_node_config_init_show_and_path(tmp_path: Path):
     path = tmp_path / "c" / "config.toml"
-    r = run_cli("config", "init", "--config", str(path))
+    r = cli("config", "init", "--config", str(path))
     assert r.returncode == 0 and path.exists(), r.stderr
-    r = run_cli("config", "init", "--config", str(path))
+    r = cli("config", "init", "--config", str(path))
     assert r.returncode == 1 and "exists" in r.stderr
     path.write_text(f'bootstrap = ["{BOOT}"]\n[join]\ndevice = "cpu"\n')
-    r = run_cli("config", "show", "--config", str(path))
+    r = cli("config", "show", "--config", str(path))
     assert r.returncode == 0 and f'bootstrap = ["{BOOT}"]' in r.stdout
     assert 'device = "cpu"' in r.stdout
-    r = run_cli("config", "path", "--config", str(path))
+    r = cli("config", "path", "--config", str(path))
     assert r.stdout.strip() == str(path)
 
 

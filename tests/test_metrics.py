@@ -18,7 +18,7 @@ from node.metrics.history import History
 from node.metrics.http import HttpServer, Response
 from node.metrics.service import parse_address, progress_line
 from p2p.timing import Timings
-from tests.conftest import run_cli
+from tests.conftest import cli
 
 RUN_ID = "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG"
 
@@ -234,7 +234,7 @@ def test_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        r = run_cli("join", RUN_ID, "--bootstrap", BOOT,
+        r = cli("join", RUN_ID, "--bootstrap", BOOT,
                     "--state-dir", str(tmp_path / "s"), "--metrics", f"127.0.0.1:{port}")
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"error: --metrics 127.0.0.1:{port}: cannot listen there: "
@@ -247,7 +247,7 @@ def test_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
     (["--metrics", ":1", "--no-metrics"], "--metrics and --no-metrics: pass one of them"),
 ])
 def test_metrics_flag_errors(tmp_path, args: list[str], message: str):
-    r = run_cli("bootstrap", "--state-dir", str(tmp_path / "s"), *args)
+    r = cli("bootstrap", "--state-dir", str(tmp_path / "s"), *args)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {message}"), r.stderr
 
 
