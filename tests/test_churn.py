@@ -15,7 +15,7 @@ from node.checkpoints.store import CheckpointStore
 from testnet import churn, launcher
 from testnet.churn import ChurnConfig, Kill, kill_schedule, max_down
 from testnet.observe import holds, union
-from tests.conftest import answer, nodes, run_cli, status, training, wait_until
+from tests.conftest import answer, cli, nodes, status, training, wait_until
 
 NAMES = [f"node{i}" for i in range(1, 9)]
 
@@ -108,7 +108,7 @@ def test_the_summary_counts_kills_restarts_and_who_is_down():
     ],
 )
 def test_bad_churn_flags_are_one_line_and_exit_2(tmp_path, args, needle):
-    r = run_cli("testnet", "up", *args, "--dir", str(tmp_path / "tn"))
+    r = cli("testnet", "up", *args, "--dir", str(tmp_path / "tn"))
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
@@ -213,7 +213,7 @@ def test_down_stops_a_running_churn_and_leaves_nothing(testnet_factory):
     wait_until(
         lambda: len((churn.load_state(directory) or {}).get("events", [])) >= 2, 120, "two kills"
     )
-    r = run_cli("testnet", "down", "--dir", str(directory))
+    r = cli("testnet", "down", "--dir", str(directory))
     assert r.returncode == 0, r.stderr
     assert "stopped the churn" in r.stderr
     state = json.loads((directory / churn.STATE_FILE).read_text())

@@ -13,7 +13,7 @@ import torch
 from node.checkpoints.store import CheckpointStore
 from protocols.checkpoint import CHUNK_BYTES
 from testnet import launcher
-from tests.conftest import run_cli
+from tests.conftest import cli
 
 pytestmark = pytest.mark.slow  # starts a testnet
 
@@ -34,7 +34,7 @@ def test_pull_from_two_running_nodes_and_the_errors_users_see(testnet_factory, t
     shutil.copytree(Path(node.state_dir) / "checkpoints", Path(boot.state_dir) / "checkpoints")
     here = tmp_path / "here"
 
-    r = run_cli(
+    r = cli(
         "ckpt",
         "pull",
         cid,
@@ -54,34 +54,34 @@ def test_pull_from_two_running_nodes_and_the_errors_users_see(testnet_factory, t
     manifest, loaded = CheckpointStore(here).load(cid)
     assert torch.equal(loaded["w"], weights["w"])
 
-    r = run_cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(here))
+    r = cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(here))
     assert r.returncode == 0 and "already here and verified" in r.stdout, r.stderr
 
     # A damaged chunk on disk (an earlier pull cut at the wrong moment) is fetched again.
     chunk = CheckpointStore(here).chunks / manifest.chunks[2]
     chunk.write_bytes(b"rot" + chunk.read_bytes()[3:])
-    r = run_cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(here))
+    r = cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(here))
     assert r.returncode == 0, r.stderr
     assert "all verified" in r.stdout and "MB/s" in r.stdout
     assert CheckpointStore(here).verify(cid) == []
 
     unknown = cid[:-1] + ("A" if cid[-1] != "A" else "B")
-    r = run_cli("ckpt", "pull", unknown, "--from", addr(node), "--state-dir", str(tmp_path / "u"))
+    r = cli("ckpt", "pull", unknown, "--from", addr(node), "--state-dir", str(tmp_path / "u"))
     assert r.returncode == 8 and "not held here" in r.stderr, r.stderr
-    r = run_cli(
+    r = cli(
         "ckpt", "pull", unknown, "--bootstrap", addr(boot), "--state-dir", str(tmp_path / "u")
     )
     assert r.returncode == 8 and "knows no provider" in r.stderr, r.stderr
 
-    r = run_cli("ckpt", "pull", "Qm123", "--from", addr(node), "--state-dir", str(here))
+    r = cli("ckpt", "pull", "Qm123", "--from", addr(node), "--state-dir", str(here))
     assert r.returncode == 2 and "not a checkpoint id" in r.stderr
 
-    r = run_cli("ckpt", "pull", cid, "--from", NOBODY, "--state-dir", str(tmp_path / "x"))
+    r = cli("ckpt", "pull", cid, "--from", NOBODY, "--state-dir", str(tmp_path / "x"))
     assert r.returncode == 3 and "could not reach any peer" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "Failed to open" not in r.stderr
 
     other_run = RUN[:-1] + "X"
-    r = run_cli(
+    r = cli(
         "ckpt",
         "pull",
         cid,
@@ -99,7 +99,7 @@ def test_pull_from_two_running_nodes_and_the_errors_users_see(testnet_factory, t
     bad = CheckpointStore(Path(node.state_dir)).chunks / manifest.chunks[4]
     bad.write_bytes(b"\x00" * bad.stat().st_size)
     fresh = tmp_path / "fresh"
-    r = run_cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(fresh))
+    r = cli("ckpt", "pull", cid, "--from", addr(node), "--state-dir", str(fresh))
     assert r.returncode == 8, r.stderr
     assert "could not be fetched" in r.stderr and "does not match its hash" in r.stderr
     assert CheckpointStore(fresh).list() == []  # no manifest: the checkpoint is not visible

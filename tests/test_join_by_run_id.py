@@ -20,7 +20,7 @@ import pytest
 from node.discovery import remembered
 from node.status.control import query_control
 from testnet import launcher
-from tests.conftest import REPO, run_cli, wait_until
+from tests.conftest import REPO, cli, run_cli, wait_until
 from tests.test_swarm_training import FAST_RUN
 
 DEAD = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWMjaBEkKWfJNw1JoiV6UqwyqrtfienDAHyutXwAgii5RE"
@@ -98,7 +98,7 @@ def test_a_node_joins_by_run_id_from_config_then_remembered_peers_then_a_ticket(
     assert "through remembered peers" in err
 
     # 3. a fresh node, given only a ticket from the bootstrap
-    r = run_cli("run", "ticket", net.run_id, "--state-dir", str(Path(net.dir) / "bootstrap"))
+    r = cli("run", "ticket", net.run_id, "--state-dir", str(Path(net.dir) / "bootstrap"))
     assert r.returncode == 0, r.stderr
     ticket = r.stdout.strip()
     assert ticket.startswith("pt1") and "\n" not in ticket

@@ -15,7 +15,7 @@ import pytest
 
 from node.status.control import NETNS_ENV, query_control
 from testnet import netns
-from tests.conftest import REPO, run_cli, wait_until
+from tests.conftest import REPO, cli, wait_until
 from tests.test_swarm_training import FAST_RUN
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_a_node_on_the_lan_joins_by_run_id_alone_through_mdns(lan, tmp_path: Pat
     manifest = tmp_path / "fast.toml"
     manifest.write_text(FAST_RUN)
     a, b = tmp_path / "a", tmp_path / "b"
-    r = run_cli("run", "create", str(manifest), "--state-dir", str(a))
+    r = cli("run", "create", str(manifest), "--state-dir", str(a))
     assert r.returncode == 0, r.stderr
     run_id = r.stdout.strip()
     procs = []

@@ -17,7 +17,7 @@ import pytest
 
 from testnet import launcher, netns
 from testnet.observe import holds, union
-from tests.conftest import REPO, answer, members, nodes, peers, run_cli, status, wait_until
+from tests.conftest import REPO, answer, cli, members, nodes, peers, status, wait_until
 
 
 def stamps(p: launcher.Proc) -> dict[str, list]:
@@ -59,7 +59,7 @@ def test_split_halves_keep_training_and_converge_after_heal(
             f"{p.name} to train and list 3 members",
         )
 
-    r = run_cli("testnet", "partition", "--dir", net.dir)
+    r = cli("testnet", "partition", "--dir", net.dir)
     assert r.returncode == 0, r.stderr
     assert "bootstrap node1 node2  |  node3 node4" in r.stderr
     split_ms = time.time_ns() // 1_000_000
@@ -89,7 +89,7 @@ def test_split_halves_keep_training_and_converge_after_heal(
     assert key_b not in answer(a[0], "rundoc")  # the split is real for the run document
 
     snapshot = union([answer(p, "rundoc") for p in trainers])
-    r = run_cli("testnet", "heal", "--dir", net.dir)
+    r = cli("testnet", "heal", "--dir", net.dir)
     assert r.returncode == 0, r.stderr
     healed = time.monotonic()
     wait_until(

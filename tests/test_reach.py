@@ -20,7 +20,7 @@ from node.reach.service import ReachabilityService
 from node.reach.upnp import Mapping
 from p2p.host import DialError, Substrate
 from testnet import stun
-from tests.conftest import run_cli
+from tests.conftest import cli
 
 
 async def test_dial_back_is_on_a_fresh_connection_and_proves_the_key():
@@ -115,7 +115,7 @@ def test_stun_ignores_what_is_not_a_binding_request():
     (["--rtt", "50ms"], "--rtt applies to the partition and nat scenarios"),
 ])
 def test_bad_nat_flags_are_one_line_and_exit_2(args, message, tmp_path):
-    r = run_cli("testnet", "up", "--dir", str(tmp_path / "tn"), *args)
+    r = cli("testnet", "up", "--dir", str(tmp_path / "tn"), *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 

@@ -18,7 +18,7 @@ from protocols import averaging as av
 from protocols import heartbeat as hb
 from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
 from testnet import launcher
-from tests.conftest import await_until, nodes, peers, run_cli, status, training, wait_until
+from tests.conftest import await_until, cli, nodes, peers, status, training, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
@@ -191,11 +191,11 @@ def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path
     # status could be gone before `ckpt verify` (a second to start) opens it.
     launcher.kill_node(net, "node1")
     wait_until(lambda: not launcher.alive(node.pid, node.state_dir), 30, "node1 to die")
-    r = run_cli("ckpt", "ls", "--state-dir", node.state_dir)
+    r = cli("ckpt", "ls", "--state-dir", node.state_dir)
     assert r.returncode == 0 and "Qm" in r.stdout, r.stderr
     held = CheckpointStore(Path(node.state_dir)).list(net.run_id)
     assert 1 <= len(held) <= 3, held  # keep = 2 (+1 if the kill came between save and trim)
-    r = run_cli("ckpt", "verify", held[-1][0], "--state-dir", node.state_dir)
+    r = cli("ckpt", "verify", held[-1][0], "--state-dir", node.state_dir)
     assert r.returncode == 0, r.stdout + r.stderr
     launcher.restart_node(net, "node1")
     node = nodes(net)[0]
@@ -226,7 +226,7 @@ def test_a_node_joining_mid_run_downloads_the_newest_checkpoint(testnet_factory,
 
     def latecomer_provides() -> bool:  # what a second joiner would find in the DHT
         fresh = tmp_path / f"probe{next(probes)}"  # an empty store: a held cid skips the DHT
-        r = run_cli("ckpt", "pull", download["cid"], "--bootstrap", net.bootstrap_addr,
+        r = cli("ckpt", "pull", download["cid"], "--bootstrap", net.bootstrap_addr,
                     "--state-dir", str(fresh), "--json")
         return r.returncode == 0 and st["peer_id"] in json.loads(r.stdout)["dht_providers"]
 

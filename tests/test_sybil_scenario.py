@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from testnet import launcher
-from tests.conftest import answer, run_cli, status, training, wait_until
+from tests.conftest import answer, cli, status, training, wait_until
 
 SYBIL_MANIFEST = launcher.scenario_manifest_path("sybil")
 SAMPLES = 3  # node1's aggregations with both sybils as neighbours
@@ -95,10 +95,10 @@ def test_sybilwall_down_weights_sybils_and_gossips_signed_histories(testnet_fact
 
 
 def test_attack_flag_is_checked(tmp_path):
-    r = run_cli("join", "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW", "--attack", "nuke",
+    r = cli("join", "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW", "--attack", "nuke",
                 "--state-dir", str(tmp_path))
     assert r.returncode == 2 and "label-flip or backdoor" in r.stderr
-    r = run_cli("testnet", "up", "--scenario", "chaos", "--dir", str(tmp_path))
+    r = cli("testnet", "up", "--scenario", "chaos", "--dir", str(tmp_path))
     assert r.returncode == 2 and "known scenarios: sybil" in r.stderr
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher
-from tests.conftest import answer, nodes, peers, run_cli, status, wait_until
+from tests.conftest import answer, cli, nodes, peers, status, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
@@ -34,12 +34,12 @@ def test_four_nodes_see_each_other_then_down_leaves_nothing(testnet_factory):
         wait_until(lambda p=p, o=others: peers_of(p) == o, 60, f"{p.name} to list 3 peers")
 
     # `node testnet status --json` and `node status --json` agree with the control endpoint.
-    r = run_cli("testnet", "status", "--json", "--dir", net.dir)
+    r = cli("testnet", "status", "--json", "--dir", net.dir)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["run"] == net.run_id
     assert {row["name"] for row in doc["processes"]} == {p.name for p in net.procs}
-    r = run_cli("status", "--json", "--state-dir", members[0].state_dir)
+    r = cli("status", "--json", "--state-dir", members[0].state_dir)
     st = json.loads(r.stdout)
     assert st["run"] == net.run_id and st["phase"] == "running"
     assert st["run_name"] == "testnet-default"
