@@ -128,18 +128,18 @@ def test_start_churn_refuses_a_testnet_of_one_node(tmp_path):
 
 
 
-@pytest.mark.slow  # a 4-node testnet churned for 55 s
+@pytest.mark.slow  # a 4-node testnet churned for 30 s
 def test_killed_nodes_come_back_with_their_peer_ids_and_the_run_converges(testnet_factory):
-    # Two kills due at 20 and 40 s. The second waits for the first victim to be back (at
-    # most one node down); on a very busy machine that can outlast the churn, and the
-    # driver then skips it and says so. The first always happens; both are checked alike.
-    config = ChurnConfig(rate=3, duration_s=55, seed=0)
+    # One kill, due at 15 s: a second one would wait for the first victim to be back (at
+    # most one node down), which on a busy machine can outlast the churn, so the driver
+    # would skip it. Spacing kills by max_down is the schedule's, tested above.
+    config = ChurnConfig(rate=4, duration_s=30, seed=0)
     net = testnet_factory(
         4, manifest=launcher.scenario_manifest_path("churn"), churn=config, timeout=180
     )
     trainers = nodes(net)
-    expected = kill_schedule([p.name for p in trainers], 3, 55, 0)
-    assert len(expected) == 2
+    expected = kill_schedule([p.name for p in trainers], 4, 30, 0)
+    assert len(expected) == 1
     ids = {p.name: answer(p)["peer_id"] for p in net.procs}
     boot_pid = net.procs[0].pid
     directory = Path(net.dir)
@@ -150,14 +150,11 @@ def test_killed_nodes_come_back_with_their_peer_ids_and_the_run_converges(testne
         "the churn to finish",
     )
     events = state["events"]
-    assert len(events) >= 1 and len(events) + state["skipped"] == len(expected), state
+    assert len(events) == 1 and state["skipped"] == 0, state
     assert [(e["victim"], e["due_s"]) for e in events] == [
         (k.victim, k.at_s) for k in expected[: len(events)]]
     assert all(e["killed_s"] >= e["due_s"] for e in events)
     assert all(e.get("back_s") is not None and not e.get("stuck") for e in events), events
-    # never more than max_down(4) = 1 node down at once: each kill after the last one's back
-    for a, b in itertools.pairwise(events):
-        assert b["killed_s"] >= a["back_s"]
     summary = churn.summary(state)
     assert (summary["kills"], summary["restarts"], summary["down"]) == (
         len(events), len(events), [])
