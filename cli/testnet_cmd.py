@@ -17,7 +17,7 @@ from cli import checks
 from cli.common import err, fail, out
 from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
-from testnet import churn, launcher, nat, netns
+from testnet import churn, launcher, nat, netns, swarm
 
 app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
                                               "(or in network namespaces, as root).")
@@ -25,6 +25,9 @@ app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on 
 AGGREGATORS = ("mean", "vc", "median", "krum", "foolsgold", "sybilwall")
 NAT_DEFAULT = ("public", "fullcone", "home", "symmetric", "upnp")
 Dir = Annotated[Path | None, typer.Option("--dir", help="Where the testnet keeps its state.")]
+Page = Annotated[str | None, typer.Option(
+    "--page", metavar="HOST:PORT", help="Serve the swarm page here. Default "
+    f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).", show_default=False)]
 
 
 def _load(directory: Path) -> launcher.Testnet:
@@ -76,9 +79,14 @@ def up(
     rtt: Annotated[str | None, typer.Option(
         help="partition/nat scenario: round-trip time added between any two namespaces, e.g. "
              "50ms (a userspace delay line in the router).")] = None,
+    page: Page = None,
+    no_page: Annotated[bool, typer.Option(
+        "--no-page", help="Serve no swarm page.")] = False,
 ) -> None:
-    """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
+    """Start a bootstrap and N nodes, then show a live table and serve the swarm page (every
+    node on one web page) until Ctrl-C."""
     directory = directory or launcher.default_dir()
+    page_at = _page_addr(page, no_page, detach)
     extra = ["--no-train"] if no_train else []
     if scenario not in (None, "sybil", "partition", "churn", "nat"):
         raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat", 2)
@@ -130,8 +138,17 @@ def up(
     err.print(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}",
               markup=False, highlight=False)
     if detach:
-        err.print("stop it with `node testnet down`")
+        err.print("see every node on one page with `node testnet page`; stop it with "
+                  "`node testnet down`")
         return
+    page_thread = None
+    if page_at is not None:
+        page_thread = swarm.PageThread(Path(net.dir), *page_at, fallback=page is None)
+        try:
+            err.print(f"swarm page {page_thread.start()}", markup=False, highlight=False)
+        except swarm.PagePortError as e:
+            launcher.down(directory)
+            raise fail(str(e), e.exit_code) from None
     # Ctrl-C sets a flag instead of raising KeyboardInterrupt wherever the main thread is:
     # raised inside a status query or the table's rendering (likelier the busier the
     # machine) it could leave the launcher hung on exit (seen in full test runs).
@@ -148,6 +165,8 @@ def up(
                 stop.wait(1.0)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if page_thread is not None:
+            page_thread.stop()
         churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
         err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
@@ -175,12 +194,58 @@ def status(
     net = _load(directory or launcher.default_dir())
     rows = launcher.collect_status(net)
     churning = churn.summary(churn.load_state(Path(net.dir)))
+    page_url = swarm.served_url(Path(net.dir))
     if as_json:
         cut = (net.netns or {}).get("cut")
         print(json.dumps({"run": net.run_id, "dir": net.dir, "partition": cut,
-                          "churn": churning, "processes": rows}, indent=2))
+                          "churn": churning, "page": page_url, "processes": rows}, indent=2))
     else:
         out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width, churn=churning))
+        err.print(f"swarm page {page_url}" if page_url else
+                  "swarm page: not served (`node testnet page` serves it)",
+                  markup=False, highlight=False)
+
+
+@app.command("page")
+def page_cmd(
+    directory: Dir = None,
+    listen: Annotated[str | None, typer.Option(
+        "--listen", metavar="HOST:PORT", help="Where to serve it. Default "
+        f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).",
+        show_default=False)] = None,
+) -> None:
+    """Serve the swarm page until Ctrl-C: every node of the testnet on one web page (phase,
+    step, loss curves, peers and paths, rounds, checkpoints; nodes that are down marked)."""
+    from cli.common import run_async
+
+    net = _load(directory or launcher.default_dir())
+    host, port = _page_addr(listen, False, False, flag="--listen") or (None, None)
+    assert host is not None and port is not None
+    swarm_page = swarm.SwarmPage(Path(net.dir))
+
+    def show(url: str) -> None:
+        out.print(url, markup=False, highlight=False)
+        err.print("serving the swarm page until Ctrl-C", markup=False, highlight=False)
+
+    run_async(lambda: swarm_page.serve(host, port, fallback=listen is None, on_url=show))
+
+
+def _page_addr(value: str | None, off: bool, detach: bool,
+               flag: str = "--page") -> tuple[str, int] | None:
+    """HOST:PORT of the swarm page (None: not served); a bad value is one line, exit 2."""
+    from node.metrics.service import parse_address
+
+    if off or detach:
+        if value is not None:
+            raise fail(f"{flag} serves the page of a foreground testnet: leave out "
+                       f"{'--no-page' if off else '-d'}, or use `node testnet page`", 2)
+        return None
+    if value is None:
+        return swarm.DEFAULT_HOST, swarm.DEFAULT_PORT
+    try:
+        return parse_address(value)
+    except ValueError as e:
+        raise fail(f"{flag} {value}: {e}", 2) from None
 
 
 def _nat_kinds(scenario: str | None, kinds: str | None) -> list[str] | None:
