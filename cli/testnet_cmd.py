@@ -14,7 +14,7 @@ import typer
 from rich.live import Live
 
 from cli import checks
-from cli.common import err, fail, out
+from cli.common import Json, err, fail, out, print_json
 from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
 from testnet import churn, launcher, nat, netns, swarm
@@ -82,6 +82,10 @@ def up(
     page: Page = None,
     no_page: Annotated[bool, typer.Option(
         "--no-page", help="Serve no swarm page.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Once up, print the testnet (run, directory, bootstrap, swarm page) as "
+        "one JSON document instead of the live table; an error as one JSON object on stderr."
+        )] = False,
 ) -> None:
     """Start a bootstrap and N nodes, then show a live table and serve the swarm page (every
     node on one web page) until Ctrl-C."""
@@ -122,7 +126,7 @@ def up(
         if attack not in ("label-flip", "backdoor"):
             raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
     try:
-        with err.status("starting the testnet") as spinner:
+        with err.status("starting the testnet", disable=as_json) as spinner:
             net = launcher.up(directory, nodes, manifest=manifest, detached=detach,
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
@@ -135,50 +139,68 @@ def up(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    err.print(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}",
-              markup=False, highlight=False)
-    if detach:
-        err.print("see every node on one page with `node testnet page`; stop it with "
-                  "`node testnet down`")
-        return
-    page_thread = None
+    say = (lambda text: None) if as_json else (
+        lambda text: err.print(text, markup=False, highlight=False))
+    say(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}")
+    page_thread, page_url = None, None
     if page_at is not None:
         page_thread = swarm.PageThread(Path(net.dir), *page_at, fallback=page is None)
         try:
-            err.print(f"swarm page {page_thread.start()}", markup=False, highlight=False)
+            page_url = page_thread.start()
         except swarm.PagePortError as e:
             launcher.down(directory)
             raise fail(str(e), e.exit_code) from None
+        say(f"swarm page {page_url}")
+    if as_json:
+        print_json({"run": net.run_id, "dir": net.dir, "bootstrap": net.bootstrap_addr,
+                    "detached": detach, "page": page_url,
+                    "processes": [{"name": p.name, "pid": p.pid, "state_dir": p.state_dir}
+                                  for p in net.procs]})
+    if detach:
+        say("see every node on one page with `node testnet page`; stop it with "
+            "`node testnet down`")
+        return
     # Ctrl-C sets a flag instead of raising KeyboardInterrupt wherever the main thread is:
     # raised inside a status query or the table's rendering (likelier the busier the
     # machine) it could leave the launcher hung on exit (seen in full test runs).
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        with Live(console=out, refresh_per_second=2, transient=False) as live:
-            while not stop.is_set():
-                net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
-                live.update(testnet_table(launcher.collect_status(net),
-                                          f"testnet {net.run_id} (Ctrl-C stops it)",
-                                          width=out.width,
-                                          churn=churn.summary(churn.load_state(Path(net.dir)))))
-                stop.wait(1.0)
+        if as_json:  # no table: the testnet runs until Ctrl-C
+            while not stop.wait(1.0):
+                pass
+        else:
+            _live_table(net, stop)
     finally:
         signal.signal(signal.SIGINT, previous)
         if page_thread is not None:
             page_thread.stop()
         churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
-        err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
-                  f"stopped {stopped} processes")
+        say(f"testnet down: {'stopped the churn, ' if churned else ''}"
+            f"stopped {stopped} processes")
+
+
+def _live_table(net: launcher.Testnet, stop: threading.Event) -> None:
+    with Live(console=out, refresh_per_second=2, transient=False) as live:
+        while not stop.is_set():
+            net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
+            live.update(testnet_table(launcher.collect_status(net),
+                                      f"testnet {net.run_id} (Ctrl-C stops it)",
+                                      width=out.width,
+                                      churn=churn.summary(churn.load_state(Path(net.dir)))))
+            stop.wait(1.0)
 
 
 @app.command()
-def down(directory: Dir = None) -> None:
+def down(directory: Dir = None, as_json: Json = False) -> None:
     """Stop every process of the testnet."""
     directory = directory or launcher.default_dir()
     churned = launcher.stop_churn(directory)
     stopped = launcher.down(directory)
+    if as_json:
+        print_json({"dir": str(directory), "stopped": stopped, "churn_stopped": churned})
+        return
     if churned:
         err.print("stopped the churn")
     err.print(f"stopped {stopped} processes" if stopped else f"no testnet running in {directory}",
@@ -188,7 +210,7 @@ def down(directory: Dir = None) -> None:
 @app.command()
 def status(
     directory: Dir = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Json = False,
 ) -> None:
     """Show each testnet process: phase, peers, connections."""
     net = _load(directory or launcher.default_dir())
@@ -213,17 +235,23 @@ def page_cmd(
         "--listen", metavar="HOST:PORT", help="Where to serve it. Default "
         f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).",
         show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print {\"url\": ...} once serving; an error as one JSON object on "
+        "stderr.")] = False,
 ) -> None:
     """Serve the swarm page until Ctrl-C: every node of the testnet on one web page (phase,
     step, loss curves, peers and paths, rounds, checkpoints; nodes that are down marked)."""
     from cli.common import run_async
 
-    net = _load(directory or launcher.default_dir())
     host, port = _page_addr(listen, False, False, flag="--listen") or (None, None)
     assert host is not None and port is not None
+    net = _load(directory or launcher.default_dir())
     swarm_page = swarm.SwarmPage(Path(net.dir))
 
     def show(url: str) -> None:
+        if as_json:
+            print_json({"url": url})
+            return
         out.print(url, markup=False, highlight=False)
         err.print("serving the swarm page until Ctrl-C", markup=False, highlight=False)
 
@@ -312,6 +340,9 @@ def logs(
     node: Annotated[str | None, typer.Argument(help="node1, node2, ... or bootstrap.")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n")] = 40,
     directory: Dir = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="JSON lines: each node.log record with a `node` field added; an "
+        "error as one JSON object on stderr.")] = False,
 ) -> None:
     """Print the last log lines of one node, or of all of them."""
     if lines < 1:
@@ -321,11 +352,18 @@ def logs(
     if not procs:
         raise fail(f"no node named {node}; have {', '.join(p.name for p in net.procs)}")
     for p in procs:
-        out.rule(p.name)
         path = Path(p.state_dir) / "node.log"
         try:
             raw = path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
+        except OSError:  # not started far enough to log: its terminal output
+            raw = None
+        if as_json:
+            for line in raw if raw is not None else launcher.tail(
+                    Path(p.state_dir) / "stdout.log", lines).splitlines():
+                print_json({"node": p.name, **_record(line)})
+            continue
+        out.rule(p.name)
+        if raw is None:
             out.print(launcher.tail(Path(p.state_dir) / "stdout.log", lines), highlight=False,
                       markup=False)
             continue
@@ -333,11 +371,21 @@ def logs(
             out.print(render_log_line(line), highlight=False, markup=False)
 
 
+def _record(line: str) -> dict:
+    """A node.log line as its record; any other line (stdout.log) as {"line": text}."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        doc = None
+    return doc if isinstance(doc, dict) else {"line": line}
+
+
 @app.command()
 def partition(
     side: Annotated[list[str] | None, typer.Argument(
         help="Nodes cut off from the rest (default: the second half of the nodes).")] = None,
     directory: Dir = None,
+    as_json: Json = False,
 ) -> None:
     """Split a `--scenario partition` testnet in two: dials across fail, open links drop."""
     net = _load(directory or launcher.default_dir())
@@ -345,6 +393,9 @@ def partition(
         a, b = launcher.partition(net, side)
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
+    if as_json:
+        print_json({"sides": [a, b]})
+        return
     err.print(f"partitioned: {' '.join(a)}  |  {' '.join(b)}", markup=False)
     err.print("undo it with `node testnet heal`")
 
