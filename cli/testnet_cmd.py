@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -126,7 +127,10 @@ def up(
         if attack not in ("label-flip", "backdoor"):
             raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
     try:
-        with err.status("starting the testnet", disable=as_json) as spinner:
+        # --json: no spinner (stderr carries only an error, as one JSON object)
+        spinning = contextlib.nullcontext(_Quiet()) if as_json else err.status(
+            "starting the testnet")
+        with spinning as spinner:
             net = launcher.up(directory, nodes, manifest=manifest, detached=detach,
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
@@ -142,21 +146,9 @@ def up(
     say = (lambda text: None) if as_json else (
         lambda text: err.print(text, markup=False, highlight=False))
     say(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}")
-    page_thread, page_url = None, None
-    if page_at is not None:
-        page_thread = swarm.PageThread(Path(net.dir), *page_at, fallback=page is None)
-        try:
-            page_url = page_thread.start()
-        except swarm.PagePortError as e:
-            launcher.down(directory)
-            raise fail(str(e), e.exit_code) from None
-        say(f"swarm page {page_url}")
-    if as_json:
-        print_json({"run": net.run_id, "dir": net.dir, "bootstrap": net.bootstrap_addr,
-                    "detached": detach, "page": page_url,
-                    "processes": [{"name": p.name, "pid": p.pid, "state_dir": p.state_dir}
-                                  for p in net.procs]})
     if detach:
+        if as_json:
+            print_json(_up_doc(net, None))
         say("see every node on one page with `node testnet page`; stop it with "
             "`node testnet down`")
         return
@@ -165,8 +157,18 @@ def up(
     # machine) it could leave the launcher hung on exit (seen in full test runs).
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    page_thread = None
     try:
+        page_url = None
+        if page_at is not None:
+            page_thread = swarm.PageThread(Path(net.dir), *page_at, fallback=page is None)
+            try:
+                page_url = page_thread.start()
+            except swarm.PagePortError as e:
+                raise fail(str(e), e.exit_code) from None
+            say(f"swarm page {page_url}")
         if as_json:  # no table: the testnet runs until Ctrl-C
+            print_json(_up_doc(net, page_url))
             while not stop.wait(1.0):
                 pass
         else:
@@ -179,6 +181,21 @@ def up(
         stopped = launcher.down(directory)
         say(f"testnet down: {'stopped the churn, ' if churned else ''}"
             f"stopped {stopped} processes")
+
+
+def _up_doc(net: launcher.Testnet, page_url: str | None) -> dict:
+    """What `node testnet up --json` prints once the testnet is up."""
+    return {"run": net.run_id, "dir": net.dir, "bootstrap": net.bootstrap_addr,
+            "detached": net.detached, "page": page_url,
+            "processes": [{"name": p.name, "pid": p.pid, "state_dir": p.state_dir}
+                          for p in net.procs]}
+
+
+class _Quiet:
+    """The spinner's stand-in under --json."""
+
+    def update(self, *_: object) -> None:
+        pass
 
 
 def _live_table(net: launcher.Testnet, stop: threading.Event) -> None:
@@ -236,8 +253,8 @@ def page_cmd(
         f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).",
         show_default=False)] = None,
     as_json: Annotated[bool, typer.Option(
-        "--json", help="Print {\"url\": ...} once serving; an error as one JSON object on "
-        "stderr.")] = False,
+        "--json", help="Print the URL as one JSON document once serving; an error as one "
+        "JSON object on stderr.")] = False,
 ) -> None:
     """Serve the swarm page until Ctrl-C: every node of the testnet on one web page (phase,
     step, loss curves, peers and paths, rounds, checkpoints; nodes that are down marked)."""
