@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from cli.common import StateDir, err, fail, out, run_async
+from cli.common import Json, StateDir, err, fail, out, print_json, run_async
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.config import default_state_dir
 from node.errors import NodeError
@@ -21,9 +21,16 @@ app = typer.Typer(no_args_is_help=True, help="List, verify and pull checkpoints.
 
 @app.command("ls")
 def ls(state_dir: StateDir = None,
-       run: Annotated[str | None, typer.Option(help="Only this run.")] = None) -> None:
+       run: Annotated[str | None, typer.Option(help="Only this run.")] = None,
+       as_json: Json = False) -> None:
     """Checkpoints held here: id, run, step, size, age."""
     store = CheckpointStore(state_dir or default_state_dir())
+    if as_json:
+        print_json({"store": str(store.root), "checkpoints": [
+            {"cid": cid, "run": m.run, "step": m.step, "bytes": m.size,
+             "chunks": len(m.chunks), "created_ms": m.created_ms}
+            for cid, m in store.list(run)]})
+        return
     table = Table(title=f"checkpoints in {store.root}", title_justify="left")
     for col in ("checkpoint", "run", "step", "MB", "age"):
         table.add_column(col)
@@ -36,7 +43,7 @@ def ls(state_dir: StateDir = None,
 
 @app.command()
 def verify(cid: Annotated[str, typer.Argument(help="Checkpoint id (from `node ckpt ls`).")],
-           state_dir: StateDir = None) -> None:
+           state_dir: StateDir = None, as_json: Json = False) -> None:
     """Check every chunk of a checkpoint against its hash."""
     from node.checkpoints.fetch import validate_cid
 
@@ -54,6 +61,10 @@ def verify(cid: Annotated[str, typer.Argument(help="Checkpoint id (from `node ck
     if problems:
         raise fail(f"checkpoint {cid} is damaged:\n  " + "\n  ".join(problems), 8)
     m = store.manifest(cid)
+    if as_json:
+        print_json({"cid": cid, "run": m.run, "step": m.step, "bytes": m.size,
+                    "chunks": len(m.chunks), "verified": True})
+        return
     out.print(f"checkpoint {cid}: step {m.step}, {len(m.chunks)} chunks, all verified",
               markup=False, highlight=False)
 
@@ -73,7 +84,7 @@ def pull(
         help="Refuse the checkpoint unless it belongs to this run-id.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a dial or a chunk.")]
     = 30.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result.")] = False,
+    as_json: Json = False,
 ) -> None:
     """Download a checkpoint from its providers in parallel, verify it, store it here."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn

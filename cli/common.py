@@ -1,7 +1,15 @@
-"""Console helpers shared by the CLI modules."""
+"""Console helpers shared by the CLI modules.
+
+`--json`: a command that prints data takes `--json` (the `Json` option below) and prints one
+JSON document on stdout instead of text. Errors follow the flag centrally: when the
+command line holds `--json`, `fail()` (every error the CLI prints goes through it, usage
+errors and bugs included) writes one line on stderr, `{"error": "...", "exit_code": N}`,
+with the same documented exit code (docs/operator.md).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,15 +32,48 @@ EXIT_BUG = 70  # EX_SOFTWARE
 err = Console(stderr=True, soft_wrap=True)  # a multiaddr is never broken across lines
 out = Console(soft_wrap=True)
 
+JSON_FLAG = "--json"
+Json = Annotated[bool, typer.Option(
+    JSON_FLAG, help="Print the result as one JSON document; an error as one JSON object "
+    "on stderr.")]
+
+
+class _Mode:
+    json_errors = False  # set per invocation by App.__call__ from the command line
+
+
+def json_errors() -> bool:
+    """Whether this invocation asked for JSON (`--json` on its command line)."""
+    return _Mode.json_errors
+
+
+def asks_json(argv: list[str]) -> bool:
+    """`--json` among the options (not after `--`, where it would be an argument)."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg == JSON_FLAG:
+            return True
+    return False
+
+
+def print_json(doc: Any, indent: int | None = None) -> None:
+    """A command's --json result on stdout."""
+    print(json.dumps(doc, indent=indent, default=str), flush=True)
+
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print `error: message` to stderr and return the Exit to raise.
+    """Print `error: message` to stderr and return the Exit to raise; under --json, one
+    JSON object `{"error": message, "exit_code": code}` instead.
 
     The message is plain text, never rich markup: user input in it ("[model]", "Qm[/]")
     is printed as given. It is not wrapped either: one line stays one line.
     """
-    err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True,
-              highlight=False)
+    if _Mode.json_errors:
+        print(json.dumps({"error": message, "exit_code": code}), file=sys.stderr, flush=True)
+    else:
+        err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True,
+                  highlight=False)
     return typer.Exit(code)
 
 
@@ -95,6 +136,8 @@ class App(typer.Typer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("standalone_mode", False)
+        argv = args[0] if args else kwargs.get("args")
+        _Mode.json_errors = asks_json(list(sys.argv[1:] if argv is None else argv))
         try:
             code = humane_help(typer.main.get_command(self))(*args, **kwargs)
         except typer.TyperException as e:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from cli.common import fail, out
+from cli.common import Json, fail, out, print_json
 from node import config_file as cf
 
 app = typer.Typer(no_args_is_help=True, help="The config file: where it is, what it sets.")
@@ -59,16 +59,23 @@ def effective(command: Literal["join", "bootstrap"], config: Path | None,
 
 
 @app.command("path")
-def config_path(config: ConfigOpt = None) -> None:
+def config_path(config: ConfigOpt = None, as_json: Json = False) -> None:
     """Print the config file in effect (it may not exist yet)."""
     path, _ = cf.resolve_path(config)
-    print(path)
+    if as_json:
+        print_json({"path": str(path), "exists": path.exists()})
+    else:
+        print(path)
 
 
 @app.command("show")
-def config_show(config: ConfigOpt = None) -> None:
+def config_show(config: ConfigOpt = None, as_json: Json = False) -> None:
     """Validate the config file and print what it sets."""
     file, path = load(config)
+    if as_json:  # what the file sets (keys left out take the built-in defaults)
+        print_json({"path": str(path or cf.resolve_path(config)[0]), "exists": path is not None,
+                    "settings": file.model_dump(mode="json", by_alias=True, exclude_none=True)})
+        return
     if path is None:
         err_path, _ = cf.resolve_path(config)
         out.print(f"# no config file at {err_path}: built-in defaults", highlight=False)
@@ -81,6 +88,7 @@ def config_show(config: ConfigOpt = None) -> None:
 def config_init(
     config: ConfigOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+    as_json: Json = False,
 ) -> None:
     """Write a commented config file with every key (all commented out) to start from."""
     from node.files import atomic_write
@@ -92,4 +100,7 @@ def config_init(
         atomic_write(path, cf.TEMPLATE.encode())
     except OSError as e:
         raise fail(f"cannot write {path}: {e.strerror or e}", 1) from None
-    print(path)
+    if as_json:
+        print_json({"path": str(path)})
+    else:
+        print(path)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from cli import checks, config_cmd
-from cli.common import App, StateDir, err, fail, out, run_async
+from cli.common import App, Json, StateDir, err, fail, out, print_json, run_async
 from cli.lifecycle import EXIT_SIGINT
 from node import state_lock
 from node.config import NodeConfig, default_state_dir
@@ -248,6 +248,7 @@ def bootstrap_cmd(
 def run_create(
     manifest: Annotated[Path, typer.Argument(help="The run manifest (TOML).")],
     state_dir: StateDir = None,
+    as_json: Json = False,
 ) -> None:
     """Validate a manifest, store it for serving, and print its run-id."""
     from node.run.store import RunStore
@@ -259,13 +260,17 @@ def run_create(
         run_id = RunStore(state_dir).put(mf.canonical_bytes(m))
     except OSError as e:
         raise fail(f"cannot use state directory {state_dir}: {e.strerror or e}", 6) from None
-    print(run_id)
+    if as_json:
+        print_json({"run_id": run_id, "name": m.run.name, "state_dir": str(state_dir)})
+    else:
+        print(run_id)
 
 
 @run_app.command("ticket")
 def run_ticket(
     run_id: Annotated[str, typer.Argument(help="The run to hand out.", show_default=False)],
     state_dir: StateDir = None,
+    as_json: Json = False,
 ) -> None:
     """Print a join ticket: the run-id and this node's reachable addresses, in one string
     that `node join` takes in place of the run-id (the local node must be running)."""
@@ -287,21 +292,33 @@ def run_ticket(
     if not addrs:
         raise fail(f"the node in {state_dir} reports no address to hand out", 1)
     served = (st.get("manifests") or {}).get("runs_served") or []
+    warning = None
     if run_id not in served and st.get("run") != run_id:
-        err.print(f"warning: the node in {state_dir} does not hold run {run_id}: joiners "
-                  "will reach it but must find the run's manifest elsewhere", highlight=False)
-    print(tk.encode(run_id, st["peer_id"], addrs))
+        warning = (f"the node in {state_dir} does not hold run {run_id}: joiners will reach "
+                   "it but must find the run's manifest elsewhere")
+    ticket = tk.encode(run_id, st["peer_id"], addrs)
+    if as_json:
+        print_json({"ticket": ticket, "run_id": run_id, "peer_id": st["peer_id"],
+                    "addrs": addrs, "warning": warning})
+        return
+    if warning:
+        err.print(f"warning: {warning}", highlight=False, markup=False)
+    print(ticket)
 
 
 @run_app.command("show")
 def run_show(
     manifest: Annotated[Path, typer.Argument(help="The run manifest (TOML).")],
+    as_json: Json = False,
 ) -> None:
     """Print a manifest's canonical form and run-id without storing anything."""
     from protocols import manifest as mf
 
     m = checks.manifest_file(manifest)
     data = mf.canonical_bytes(m)
+    if as_json:
+        print_json({"run_id": mf.run_id(data), "manifest": json.loads(data)})
+        return
     out.print_json(data.decode())
     print(mf.run_id(data))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -14,10 +15,10 @@ import typer
 from rich.live import Live
 
 from cli import checks
-from cli.common import err, fail, out
+from cli.common import Json, err, fail, out, print_json
 from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
-from testnet import churn, launcher, nat, netns
+from testnet import churn, launcher, nat, netns, swarm
 
 app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on loopback "
                                               "(or in network namespaces, as root).")
@@ -25,6 +26,9 @@ app = typer.Typer(no_args_is_help=True, help="Run a local multi-node testnet on 
 AGGREGATORS = ("mean", "vc", "median", "krum", "foolsgold", "sybilwall")
 NAT_DEFAULT = ("public", "fullcone", "home", "symmetric", "upnp")
 Dir = Annotated[Path | None, typer.Option("--dir", help="Where the testnet keeps its state.")]
+Page = Annotated[str | None, typer.Option(
+    "--page", metavar="HOST:PORT", help="Serve the swarm page here. Default "
+    f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).", show_default=False)]
 
 
 def _load(directory: Path) -> launcher.Testnet:
@@ -76,9 +80,18 @@ def up(
     rtt: Annotated[str | None, typer.Option(
         help="partition/nat scenario: round-trip time added between any two namespaces, e.g. "
              "50ms (a userspace delay line in the router).")] = None,
+    page: Page = None,
+    no_page: Annotated[bool, typer.Option(
+        "--no-page", help="Serve no swarm page.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Once up, print the testnet (run, directory, bootstrap, swarm page) as "
+        "one JSON document instead of the live table; an error as one JSON object on stderr."
+        )] = False,
 ) -> None:
-    """Start a bootstrap and N nodes, then show a live table until Ctrl-C."""
+    """Start a bootstrap and N nodes, then show a live table and serve the swarm page (every
+    node on one web page) until Ctrl-C."""
     directory = directory or launcher.default_dir()
+    page_at = _page_addr(page, no_page, detach)
     extra = ["--no-train"] if no_train else []
     if scenario not in (None, "sybil", "partition", "churn", "nat"):
         raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat", 2)
@@ -114,7 +127,10 @@ def up(
         if attack not in ("label-flip", "backdoor"):
             raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
     try:
-        with err.status("starting the testnet") as spinner:
+        # --json: no spinner (stderr carries only an error, as one JSON object)
+        spinning = contextlib.nullcontext(_Quiet()) if as_json else err.status(
+            "starting the testnet")
+        with spinning as spinner:
             net = launcher.up(directory, nodes, manifest=manifest, detached=detach,
                               extra_node_args=extra,
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
@@ -127,39 +143,81 @@ def up(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    err.print(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}",
-              markup=False, highlight=False)
+    say = (lambda text: None) if as_json else (
+        lambda text: err.print(text, markup=False, highlight=False))
+    say(f"testnet up in {net.dir}: run {net.run_id}, bootstrap {net.bootstrap_addr}")
     if detach:
-        err.print("stop it with `node testnet down`")
+        if as_json:
+            print_json(_up_doc(net, None))
+        say("see every node on one page with `node testnet page`; stop it with "
+            "`node testnet down`")
         return
     # Ctrl-C sets a flag instead of raising KeyboardInterrupt wherever the main thread is:
     # raised inside a status query or the table's rendering (likelier the busier the
     # machine) it could leave the launcher hung on exit (seen in full test runs).
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    page_thread = None
     try:
-        with Live(console=out, refresh_per_second=2, transient=False) as live:
-            while not stop.is_set():
-                net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
-                live.update(testnet_table(launcher.collect_status(net),
-                                          f"testnet {net.run_id} (Ctrl-C stops it)",
-                                          width=out.width,
-                                          churn=churn.summary(churn.load_state(Path(net.dir)))))
-                stop.wait(1.0)
+        page_url = None
+        if page_at is not None:
+            page_thread = swarm.PageThread(Path(net.dir), *page_at, fallback=page is None)
+            try:
+                page_url = page_thread.start()
+            except swarm.PagePortError as e:
+                raise fail(str(e), e.exit_code) from None
+            say(f"swarm page {page_url}")
+        if as_json:  # no table: the testnet runs until Ctrl-C
+            print_json(_up_doc(net, page_url))
+            while not stop.wait(1.0):
+                pass
+        else:
+            _live_table(net, stop)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if page_thread is not None:
+            page_thread.stop()
         churned = launcher.stop_churn(directory)
         stopped = launcher.down(directory)
-        err.print(f"testnet down: {'stopped the churn, ' if churned else ''}"
-                  f"stopped {stopped} processes")
+        say(f"testnet down: {'stopped the churn, ' if churned else ''}"
+            f"stopped {stopped} processes")
+
+
+def _up_doc(net: launcher.Testnet, page_url: str | None) -> dict:
+    """What `node testnet up --json` prints once the testnet is up."""
+    return {"run": net.run_id, "dir": net.dir, "bootstrap": net.bootstrap_addr,
+            "detached": net.detached, "page": page_url,
+            "processes": [{"name": p.name, "pid": p.pid, "state_dir": p.state_dir}
+                          for p in net.procs]}
+
+
+class _Quiet:
+    """The spinner's stand-in under --json."""
+
+    def update(self, *_: object) -> None:
+        pass
+
+
+def _live_table(net: launcher.Testnet, stop: threading.Event) -> None:
+    with Live(console=out, refresh_per_second=2, transient=False) as live:
+        while not stop.is_set():
+            net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
+            live.update(testnet_table(launcher.collect_status(net),
+                                      f"testnet {net.run_id} (Ctrl-C stops it)",
+                                      width=out.width,
+                                      churn=churn.summary(churn.load_state(Path(net.dir)))))
+            stop.wait(1.0)
 
 
 @app.command()
-def down(directory: Dir = None) -> None:
+def down(directory: Dir = None, as_json: Json = False) -> None:
     """Stop every process of the testnet."""
     directory = directory or launcher.default_dir()
     churned = launcher.stop_churn(directory)
     stopped = launcher.down(directory)
+    if as_json:
+        print_json({"dir": str(directory), "stopped": stopped, "churn_stopped": churned})
+        return
     if churned:
         err.print("stopped the churn")
     err.print(f"stopped {stopped} processes" if stopped else f"no testnet running in {directory}",
@@ -169,18 +227,70 @@ def down(directory: Dir = None) -> None:
 @app.command()
 def status(
     directory: Dir = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Json = False,
 ) -> None:
     """Show each testnet process: phase, peers, connections."""
     net = _load(directory or launcher.default_dir())
     rows = launcher.collect_status(net)
     churning = churn.summary(churn.load_state(Path(net.dir)))
+    page_url = swarm.served_url(Path(net.dir))
     if as_json:
         cut = (net.netns or {}).get("cut")
         print(json.dumps({"run": net.run_id, "dir": net.dir, "partition": cut,
-                          "churn": churning, "processes": rows}, indent=2))
+                          "churn": churning, "page": page_url, "processes": rows}, indent=2))
     else:
         out.print(testnet_table(rows, f"testnet {net.run_id}", width=out.width, churn=churning))
+        err.print(f"swarm page {page_url}" if page_url else
+                  "swarm page: not served (`node testnet page` serves it)",
+                  markup=False, highlight=False)
+
+
+@app.command("page")
+def page_cmd(
+    directory: Dir = None,
+    listen: Annotated[str | None, typer.Option(
+        "--listen", metavar="HOST:PORT", help="Where to serve it. Default "
+        f"{swarm.DEFAULT_HOST}:{swarm.DEFAULT_PORT} (a free port if taken).",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the URL as one JSON document once serving; an error as one "
+        "JSON object on stderr.")] = False,
+) -> None:
+    """Serve the swarm page until Ctrl-C: every node of the testnet on one web page (phase,
+    step, loss curves, peers and paths, rounds, checkpoints; nodes that are down marked)."""
+    from cli.common import run_async
+
+    host, port = _page_addr(listen, False, False, flag="--listen") or (None, None)
+    assert host is not None and port is not None
+    net = _load(directory or launcher.default_dir())
+    swarm_page = swarm.SwarmPage(Path(net.dir))
+
+    def show(url: str) -> None:
+        if as_json:
+            print_json({"url": url})
+            return
+        out.print(url, markup=False, highlight=False)
+        err.print("serving the swarm page until Ctrl-C", markup=False, highlight=False)
+
+    run_async(lambda: swarm_page.serve(host, port, fallback=listen is None, on_url=show))
+
+
+def _page_addr(value: str | None, off: bool, detach: bool,
+               flag: str = "--page") -> tuple[str, int] | None:
+    """HOST:PORT of the swarm page (None: not served); a bad value is one line, exit 2."""
+    from node.metrics.service import parse_address
+
+    if off or detach:
+        if value is not None:
+            raise fail(f"{flag} serves the page of a foreground testnet: leave out "
+                       f"{'--no-page' if off else '-d'}, or use `node testnet page`", 2)
+        return None
+    if value is None:
+        return swarm.DEFAULT_HOST, swarm.DEFAULT_PORT
+    try:
+        return parse_address(value)
+    except ValueError as e:
+        raise fail(f"{flag} {value}: {e}", 2) from None
 
 
 def _nat_kinds(scenario: str | None, kinds: str | None) -> list[str] | None:
@@ -247,6 +357,9 @@ def logs(
     node: Annotated[str | None, typer.Argument(help="node1, node2, ... or bootstrap.")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n")] = 40,
     directory: Dir = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="JSON lines: each node.log record with a `node` field added; an "
+        "error as one JSON object on stderr.")] = False,
 ) -> None:
     """Print the last log lines of one node, or of all of them."""
     if lines < 1:
@@ -256,11 +369,18 @@ def logs(
     if not procs:
         raise fail(f"no node named {node}; have {', '.join(p.name for p in net.procs)}")
     for p in procs:
-        out.rule(p.name)
         path = Path(p.state_dir) / "node.log"
         try:
             raw = path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
+        except OSError:  # not started far enough to log: its terminal output
+            raw = None
+        if as_json:
+            for line in raw if raw is not None else launcher.tail(
+                    Path(p.state_dir) / "stdout.log", lines).splitlines():
+                print_json({"node": p.name, **_record(line)})
+            continue
+        out.rule(p.name)
+        if raw is None:
             out.print(launcher.tail(Path(p.state_dir) / "stdout.log", lines), highlight=False,
                       markup=False)
             continue
@@ -268,11 +388,21 @@ def logs(
             out.print(render_log_line(line), highlight=False, markup=False)
 
 
+def _record(line: str) -> dict:
+    """A node.log line as its record; any other line (stdout.log) as {"line": text}."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        doc = None
+    return doc if isinstance(doc, dict) else {"line": line}
+
+
 @app.command()
 def partition(
     side: Annotated[list[str] | None, typer.Argument(
         help="Nodes cut off from the rest (default: the second half of the nodes).")] = None,
     directory: Dir = None,
+    as_json: Json = False,
 ) -> None:
     """Split a `--scenario partition` testnet in two: dials across fail, open links drop."""
     net = _load(directory or launcher.default_dir())
@@ -280,6 +410,9 @@ def partition(
         a, b = launcher.partition(net, side)
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
+    if as_json:
+        print_json({"sides": [a, b]})
+        return
     err.print(f"partitioned: {' '.join(a)}  |  {' '.join(b)}", markup=False)
     err.print("undo it with `node testnet heal`")
 

@@ -95,11 +95,14 @@ class Node:
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
+        self.metrics = MetricsService(self.status, config.metrics,
+                                      fallback=config.metrics_fallback,
+                                      progress_s=config.progress_s)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
-                            "rundoc": self._rundoc_stamps}),
-            MetricsService(self.status, config.metrics, fallback=config.metrics_fallback,
-                           progress_s=config.progress_s),
+                            "rundoc": self._rundoc_stamps,
+                            "api_status": self.metrics.api_status}),
+            self.metrics,
             GuardService(gate),
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),

@@ -120,10 +120,16 @@ class MetricsService:
     def _metrics(self) -> Response:
         return Response(body=generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
+    def api_status(self) -> dict[str, Any]:
+        """The page's document: the status plus the loss history and the checkpoints held.
+        Also the control socket's `api_status` command: a testnet's swarm page reads every
+        node through it, which works where the HTTP port cannot be reached (a node in a
+        network namespace, or one run with --no-metrics)."""
+        return {**self.status(), **self._extra(), "history": self.history.to_json(),
+                "checkpoints": self.checkpoints, "now_unix": round(time.time(), 3)}
+
     def _api_status(self) -> Response:
-        doc = {**self.status(), **self._extra(), "history": self.history.to_json(),
-               "checkpoints": self.checkpoints, "now_unix": round(time.time(), 3)}
-        return Response(body=json.dumps(doc, default=str).encode(),
+        return Response(body=json.dumps(self.api_status(), default=str).encode(),
                         content_type="application/json")
 
     def _extra(self) -> dict[str, Any]:
