@@ -46,6 +46,7 @@ from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
 from node.metrics.service import MetricsService
+from node.reach.relays import RelayService
 from node.reach.service import ReachabilityService
 from node.run.manifest import ManifestService
 from node.run.rundoc_sync import RunDocSync, load_document, stamps
@@ -95,6 +96,7 @@ class Node:
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
+        reach = ReachabilityService(upnp=config.upnp)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps}),
@@ -104,7 +106,8 @@ class Node:
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
             self.redialer,
-            ReachabilityService(upnp=config.upnp),
+            reach,
+            RelayService(reach.verdict),
             *([self.mdns] if self.mdns else []),
         ]
 

@@ -1,0 +1,182 @@
+"""RelayService: public nodes relay for the run; private nodes reserve on two and renew.
+
+Every node speaks the stop side of circuit relay v2 (it accepts connections a relay brings
+it). A node whose reachability verdict is `public` also relays (node/reach/relay.py, the
+limits enforced); any other node refuses hop requests, so a relay is always a node others
+could dial.
+
+A `private` node (a symmetric or home NAT, no UPnP) keeps `want` reservations:
+
+* candidates are the run's peers it is connected to (bootstrap peers, and the members it
+  dialed from the run document and heartbeats) whose identify lists the hop protocol; a
+  non-public candidate refuses and is retried after `retry_s`;
+* each granted reservation adds `<relay addr>/p2p-circuit` to the node's addresses
+  (identify, peer records, heartbeats, so the run document): a dialer tries the direct
+  addresses first and falls back to these (`Substrate.connect` dials them);
+* it is renewed at half its lifetime, and dropped (addresses withdrawn, another relay
+  chosen) when the relay disconnects, refuses a renewal or expires.
+
+A node that turns public (a UPnP mapping) withdraws its relayed addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from node.reach.relay import BoundedRelay, RelayLimits
+from node.service import NodeContext
+from p2p import circuit
+from p2p.circuit import HOP_PROTOCOL, STOP_PROTOCOL
+from p2p.host import Substrate
+
+log = logging.getLogger("node.relay")
+
+
+class RelayService:
+    name = "relay"
+    protocols = (HOP_PROTOCOL, STOP_PROTOCOL)
+
+    def __init__(self, reachability: Callable[[], str], *, limits: RelayLimits | None = None,
+                 want: int = 2, tick_s: float = 2.0, retry_s: float = 60.0,
+                 reserve_timeout_s: float = 10.0) -> None:
+        self.reachability = reachability  # the reach service's verdict
+        self.server = BoundedRelay(limits or RelayLimits(),
+                                   serving=lambda: self.reachability() == "public")
+        self.want, self.tick_s, self.retry_s = want, tick_s, retry_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.held: dict[str, circuit.Reservation] = {}  # relay id -> our reservation
+        self.announced: dict[str, list[str]] = {}  # relay id -> addresses we announced
+        self.renewals = 0
+        self.last_error: str | None = None
+        self._retry_at: dict[str, float] = {}
+        self._paths: Callable[[], dict[str, str]] = dict
+        self.changed = trio.Event()  # set after each pass (tests wait on it)
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        sub = ctx.substrate
+        self._paths = sub.peer_paths
+        sub.set_handler(HOP_PROTOCOL, self._hop(sub))
+        sub.set_handler(STOP_PROTOCOL, self._stop(sub))
+        task_status.started()
+        while True:
+            await sub.ready.wait()
+            self.server.attach(sub.host)
+            if self.reachability() == "private":
+                await self.keep(sub)
+            elif self.held:
+                self._drop_all(sub, "this node is public now")
+            self.changed.set()
+            self.changed = trio.Event()
+            await trio.sleep(self.tick_s)
+
+    def _hop(self, sub: Substrate):
+        async def handle(stream) -> None:
+            self.server.attach(sub.host)
+            await self.server._handle_hop_stream(stream)
+        return handle
+
+    def _stop(self, sub: Substrate):
+        async def handle(stream) -> None:
+            self.server.attach(sub.host)
+            await self.server._handle_stop_stream(stream)
+        return handle
+
+    # -- the client side: reservations ------------------------------------------------------
+
+    async def keep(self, sub: Substrate) -> None:
+        """One pass: drop lost reservations, renew those past half their life, reserve on
+        new relays until `want` are held."""
+        connected = {p.to_base58() for p in sub.connected_peers()}
+        now = time.time()
+        for relay, r in list(self.held.items()):
+            if relay not in connected:
+                self._drop(sub, relay, "the relay disconnected")
+            elif r.expires_unix - now < self.server.bounds.reservation_ttl_s / 2 or \
+                    r.expires_unix - now < 60:
+                try:
+                    self.held[relay] = await circuit.reserve(sub.host, ID.from_base58(relay),
+                                                             self.reserve_timeout_s)
+                    self.renewals += 1
+                except circuit.CircuitError as e:
+                    self._drop(sub, relay, f"renewal failed: {e}")
+        if len(self.held) >= self.want:
+            return
+        for relay in self._candidates(sub, connected):
+            if len(self.held) >= self.want:
+                break
+            await self._reserve(sub, relay)
+
+    def _candidates(self, sub: Substrate, connected: set[str]) -> list[str]:
+        store = sub.host.get_peerstore()
+        now = trio.current_time()
+        out = []
+        for peer in connected - set(self.held):
+            if self._retry_at.get(peer, 0.0) > now:
+                continue
+            try:
+                protocols = store.get_protocols(ID.from_base58(peer))
+            except Exception:
+                continue
+            if HOP_PROTOCOL in protocols:
+                out.append(peer)
+        random.shuffle(out)
+        return out
+
+    async def _reserve(self, sub: Substrate, relay: str) -> None:
+        try:
+            r = await circuit.reserve(sub.host, ID.from_base58(relay), self.reserve_timeout_s)
+        except circuit.CircuitError as e:
+            self._retry_at[relay] = trio.current_time() + self.retry_s
+            self.last_error = str(e)
+            log.info("relay: no reservation on %s: %s (retry in %.0f s)", relay, e,
+                     self.retry_s)
+            return
+        addrs = r.circuit_addrs() or self._fallback_addrs(sub, relay)
+        self.held[relay] = r
+        self.announced[relay] = addrs
+        for a in addrs:
+            sub.announce(a)
+        self.last_error = None
+        log.info("relay: reserved a slot on %s until %s; reachable at %s", relay,
+                 time.strftime("%H:%M:%S", time.localtime(r.expires_unix)), " ".join(addrs))
+
+    def _fallback_addrs(self, sub: Substrate, relay: str) -> list[str]:
+        """The address we reached the relay at, for a relay that sent none."""
+        out = []
+        for conn in sub.host.get_network().get_connections(ID.from_base58(relay)):
+            for a in conn.get_transport_addresses():
+                if "/p2p-circuit" not in str(a):
+                    out.append(f"{str(a).split('/p2p/')[0]}/p2p/{relay}/p2p-circuit")
+        return out[:1]
+
+    def _drop(self, sub: Substrate, relay: str, why: str) -> None:
+        self.held.pop(relay, None)
+        for a in self.announced.pop(relay, []):
+            sub.withdraw(a)
+        self._retry_at[relay] = trio.current_time() + self.retry_s
+        self.last_error = f"{relay}: {why}"
+        log.info("relay: dropped the reservation on %s: %s", relay, why)
+
+    def _drop_all(self, sub: Substrate, why: str) -> None:
+        for relay in list(self.held):
+            self._drop(sub, relay, why)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "paths": self._paths(),
+            "reservations": {relay: {"expires_unix": round(r.expires_unix),
+                                     "addrs": self.announced.get(relay, []),
+                                     "limit_s": r.limit_s, "limit_bytes": r.limit_bytes}
+                             for relay, r in self.held.items()},
+            "renewals": self.renewals,
+            "error": self.last_error,
+            "serving": self.server.statistics() if self.reachability() == "public" else None,
+        }
