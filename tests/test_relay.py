@@ -91,6 +91,8 @@ async def test_reserve_dial_through_and_every_limit_refused_with_a_reason(relay_
         # B dials A at its relayed address only: a relayed connection, and a stream over it.
         assert await b.connect(relayed[0], timeout=30) == a.peer_id
         assert b.peer_paths()[a.peer_id.to_base58()] == f"relayed via {rid}"
+        await await_until(lambda: a.peer_paths().get(b.peer_id.to_base58()), 30, "A sees B")
+        assert a.peer_paths()[b.peer_id.to_base58()] == f"relayed via {rid}"
         assert await _send(b, a.peer_id, b"x" * 1000) == b"x" * 1000
 
         # A second circuit while one is open: refused (circuits=1), a reason for C and the log.

@@ -28,8 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import multiaddr
 import trio
 from libp2p.abc import INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import (
@@ -116,6 +119,24 @@ class BoundedRelay(CircuitV2Protocol):
             self.host = host
             self.resource_manager.host = host
             self.resource_manager.peer_store = host.get_peerstore()
+
+    async def handle_incoming_connection(self, stream: INetStream,
+                                         remote_peer_id: bytes) -> None:
+        """The stop side: a relay brings us a connection. py-libp2p's version names the
+        connection `/p2p/<our own id>/p2p-circuit/...`; the relay is the peer on `stream`."""
+        relay = stream.muxed_conn.peer_id
+        peer = ID(remote_peer_id)
+        ma = multiaddr.Multiaddr(f"/p2p/{relay.to_base58()}/p2p-circuit/p2p/{peer.to_base58()}")
+        raw = RawConnection(stream=stream, initiator=False,
+                            connection_type=ConnectionType.RELAYED, addresses=[ma])
+        try:
+            muxed = await self.host.upgrade_inbound_connection(raw, ma)
+        except Exception as e:
+            await _close(stream)
+            raise ConnectionError(f"relayed connection from {peer} via {relay}: {e}") from e
+        for conn in self.host.get_network().get_connections(peer):
+            if getattr(conn, "muxed_conn", None) is muxed:
+                conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
 
     # -- refusals -------------------------------------------------------------------------
 
