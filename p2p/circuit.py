@@ -66,9 +66,10 @@ def split(addr: str) -> tuple[str, ID]:
         raise CircuitError(f"not a relayed address: {addr} (expected "
                            "<relay multiaddr>/p2p/<relay id>/p2p-circuit/p2p/<peer id>)")
     try:
+        multiaddr.Multiaddr(addr)  # checks each part: a peer id must be a multihash
         return head, ID.from_base58(tail[len("/p2p/"):])
     except Exception as e:
-        raise CircuitError(f"bad peer id in relayed address {addr}: {e}") from e
+        raise CircuitError(f"bad relayed address {addr}: {e}") from e
 
 
 async def _hop(host: IHost, relay: ID, msg: HopMessage, timeout: float):

@@ -1,7 +1,9 @@
 """Circuit relay v2 between real hosts on loopback: a reservation, a relayed dial and a
 stream over it, and a relay that refuses beyond each of its limits (reservations, circuits,
-bytes, duration) with a log line naming the limit. The NAT case (two symmetric-NAT nodes
-that reach each other only through a public node) is in tests/test_nat.py."""
+bytes, duration) with a log line naming the limit; renewal, the fallback to a relayed
+address in a peer record, garbage on the hop protocol and bogus relayed addresses. The NAT
+case (two symmetric-NAT nodes that reach each other only through a public node) is in
+tests/test_nat.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from types import SimpleNamespace
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.utils import read_delimited_msg
+from multiaddr import Multiaddr
 
 from node.reach.relay import RelayLimits
 from node.reach.relays import RelayService
@@ -141,4 +147,44 @@ async def test_a_silent_circuit_is_closed_at_its_duration_and_a_private_node_nev
         with pytest.raises(circuit.CircuitError, match="PERMISSION_DENIED"):
             await circuit.reserve(b.host, p.peer_id)
         assert ps.statistics()["serving"] is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_renewal_fallback_dial_and_garbage_or_bogus_addresses(relay_logs):
+    (r, rs), (a, as_), (d, _) = (_node("public", RelayLimits(reservation_ttl_s=4)),
+                                 _node("private"), _node("private"))
+    async with trio.open_nursery() as nursery:
+        for sub, svc in ((r, rs), (a, as_), (d, None)):
+            await nursery.start(sub.serve)
+            if svc is not None:
+                await nursery.start(svc.run, SimpleNamespace(substrate=sub))
+        a.set_handler(ECHO, _echo)
+        await a.connect(r.addrs()[0])
+        rid = r.peer_id.to_base58()
+        await await_until(lambda: rid in as_.held, 30, "A's reservation")
+        # a 4 s reservation is renewed at half its life, and kept
+        await await_until(lambda: as_.renewals >= 2, 30, "two renewals")
+        assert rid in as_.held and as_.last_error is None
+        relayed = next(x for x in a.addrs() if "/p2p-circuit" in x)
+
+        # D knows A only by its relayed address (a peer record): open_stream dials it,
+        # connecting to the relay on the way (py-libp2p's dialer would skip the address).
+        d.host.get_peerstore().add_addrs(a.peer_id, [Multiaddr(relayed)], 600)
+        assert await _send(d, a.peer_id, b"z" * 100) == b"z" * 100
+        assert d.peer_paths()[a.peer_id.to_base58()] == f"relayed via {rid}"
+
+        # garbage on the hop protocol: a reason back, the relay's host unharmed
+        stream = await d.open_stream(r.peer_id, circuit.HOP_PROTOCOL)
+        await stream.write(b"\xff" * 64)
+        reply = await read_delimited_msg(stream, HopMessage)
+        assert reply.status == StatusCode.MALFORMED_MESSAGE
+        assert "relay: a bad hop request from" in relay_logs.text
+        assert r.handler_errors == 0 and rs.statistics()["serving"]["refused"]["malformed"] == 1
+        # bogus relayed addresses are refused with a reason, without a dial
+        for bogus, why in ((f"/ip4/127.0.0.1/tcp/1/p2p-circuit/p2p/{a.peer_id}",
+                            "not a relayed address"),
+                           (f"{r.addrs()[0]}/p2p-circuit/p2p/notapeer",
+                            "bad relayed address.*Invalid CID")):
+            with pytest.raises(DialError, match=why):
+                await d.connect(bogus, timeout=10)
         nursery.cancel_scope.cancel()

@@ -55,7 +55,8 @@ class RelayService:
         self.announced: dict[str, list[str]] = {}  # relay id -> addresses we announced
         self.renewals = 0
         self.last_error: str | None = None
-        self._retry_at: dict[str, float] = {}
+        self._retry_at: dict[str, float] = {}  # trio clock: when to ask a relay again
+        self._renew_at: dict[str, float] = {}  # unix time: when to renew a reservation
         self._paths: Callable[[], dict[str, str]] = dict
         self.changed = trio.Event()  # set after each pass (tests wait on it)
 
@@ -96,14 +97,14 @@ class RelayService:
         new relays until `want` are held."""
         connected = {p.to_base58() for p in sub.connected_peers()}
         now = time.time()
-        for relay, r in list(self.held.items()):
+        for relay in list(self.held):
             if relay not in connected:
                 self._drop(sub, relay, "the relay disconnected")
-            elif r.expires_unix - now < self.server.bounds.reservation_ttl_s / 2 or \
-                    r.expires_unix - now < 60:
+            elif now >= self._renew_at.get(relay, 0.0):
                 try:
                     self.held[relay] = await circuit.reserve(sub.host, ID.from_base58(relay),
                                                              self.reserve_timeout_s)
+                    self._renew_at[relay] = _half_life(self.held[relay])
                     self.renewals += 1
                 except circuit.CircuitError as e:
                     self._drop(sub, relay, f"renewal failed: {e}")
@@ -141,6 +142,7 @@ class RelayService:
             return
         addrs = r.circuit_addrs() or self._fallback_addrs(sub, relay)
         self.held[relay] = r
+        self._renew_at[relay] = _half_life(r)
         self.announced[relay] = addrs
         for a in addrs:
             sub.announce(a)
@@ -159,6 +161,7 @@ class RelayService:
 
     def _drop(self, sub: Substrate, relay: str, why: str) -> None:
         self.held.pop(relay, None)
+        self._renew_at.pop(relay, None)
         for a in self.announced.pop(relay, []):
             sub.withdraw(a)
         self._retry_at[relay] = trio.current_time() + self.retry_s
@@ -180,3 +183,10 @@ class RelayService:
             "error": self.last_error,
             "serving": self.server.statistics() if self.reachability() == "public" else None,
         }
+
+
+def _half_life(r: circuit.Reservation) -> float:
+    """When to renew: half way to the relay's expiry (its clock; a skewed clock at worst
+    makes us renew early, or at once)."""
+    now = time.time()
+    return now + max(0.0, r.expires_unix - now) / 2
