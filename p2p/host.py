@@ -383,6 +383,33 @@ class Substrate:
             await self.dht.add_peer(info.peer_id)
         return info.peer_id
 
+    def direct_addrs(self, peer: ID) -> list[str]:
+        """The addresses the peerstore (identify, peer records) has for `peer`, relayed
+        ones left out."""
+        assert self.host is not None
+        try:
+            addrs = self.host.get_peerstore().addrs(peer)
+        except Exception:  # py-libp2p's PeerStoreError: nothing known
+            return []
+        return [str(a) for a in addrs if "/p2p-circuit" not in str(a)]
+
+    async def connect_direct(self, peer: ID, timeout: float = 3.0) -> str | None:
+        """Open a direct connection to a peer we reach only through a relay, at its
+        `direct_addrs` (outbound works through any NAT, so a private node reaches a
+        public peer that reached it through a relay). A new connection even though one
+        exists (py-libp2p's connect would reuse the relayed one); new streams prefer it.
+        Returns the address that answered, or None."""
+        assert self.host is not None
+        swarm = self.host.get_network()
+        for a in self.direct_addrs(peer):
+            try:
+                with trio.fail_after(timeout):
+                    await swarm.dial_addr(multiaddr.Multiaddr(a), peer)  # type: ignore[attr-defined]
+                return a
+            except Exception as e:  # unreachable from here: the next address
+                log.debug("direct dial %s at %s: %s", peer, a, e)
+        return None
+
     async def _connect_relayed(self, addr: str, timeout: float) -> ID:
         """Dial through the relay named in `addr` (p2p/circuit.py); py-libp2p's swarm
         skips /p2p-circuit addresses."""

@@ -1,9 +1,9 @@
 """Circuit relay v2 between real hosts on loopback: a reservation, a relayed dial and a
 stream over it, and a relay that refuses beyond each of its limits (reservations, circuits,
 bytes, duration) with a log line naming the limit; renewal, the fallback to a relayed
-address in a peer record, garbage on the hop protocol and bogus relayed addresses. The NAT
-case (two symmetric-NAT nodes that reach each other only through a public node) is in
-tests/test_nat.py."""
+address in a peer record, the direct dial that replaces a relayed path, garbage on the hop
+protocol and bogus relayed addresses. The NAT case (two symmetric-NAT nodes that reach each
+other only through a public node) is in tests/test_nat.py."""
 
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ async def _send(sub: Substrate, peer, payload: bytes) -> bytes:
 
 def _node(verdict: str, limits: RelayLimits | None = None):
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
-    svc = RelayService(lambda: verdict, limits=limits, want=1, tick_s=0.2, retry_s=600)
+    # on loopback every node is dialable: a private node would dial its relayed peers
+    # directly at once; that is tested on its own, below
+    svc = RelayService(lambda: verdict, limits=limits, want=1, tick_s=0.2, retry_s=600,
+                       direct=False)
     return sub, svc
 
 
@@ -172,6 +175,12 @@ async def test_renewal_fallback_dial_and_garbage_or_bogus_addresses(relay_logs):
         d.host.get_peerstore().add_addrs(a.peer_id, [Multiaddr(relayed)], 600)
         assert await _send(d, a.peer_id, b"z" * 100) == b"z" * 100
         assert d.peer_paths()[a.peer_id.to_base58()] == f"relayed via {rid}"
+
+        # A (private) dials directly a peer that reached it through a relay
+        as_.direct = True
+        await await_until(lambda: a.peer_paths().get(d.peer_id.to_base58()) == "direct", 30,
+                          "A to reach D directly")
+        assert as_.statistics()["direct_after_relay"] == 1
 
         # garbage on the hop protocol: a reason back, the relay's host unharmed
         stream = await d.open_stream(r.peer_id, circuit.HOP_PROTOCOL)

@@ -16,6 +16,9 @@ A `private` node (a symmetric or home NAT, no UPnP) keeps `want` reservations:
 * it is renewed at half its lifetime, and dropped (addresses withdrawn, another relay
   chosen) when the relay disconnects, refuses a renewal or expires.
 
+A private node also dials directly every peer that reached it through a relay (a public
+node that found only our relayed address): outbound dials work through our NAT.
+
 A node that turns public (a UPnP mapping) withdraws its relayed addresses.
 """
 
@@ -45,7 +48,7 @@ class RelayService:
 
     def __init__(self, reachability: Callable[[], str], *, limits: RelayLimits | None = None,
                  want: int = 2, tick_s: float = 2.0, retry_s: float = 60.0,
-                 reserve_timeout_s: float = 10.0) -> None:
+                 reserve_timeout_s: float = 10.0, direct: bool = True) -> None:
         self.reachability = reachability  # the reach service's verdict
         self.server = BoundedRelay(limits or RelayLimits(),
                                    serving=lambda: self.reachability() == "public")
@@ -57,6 +60,9 @@ class RelayService:
         self.last_error: str | None = None
         self._retry_at: dict[str, float] = {}  # trio clock: when to ask a relay again
         self._renew_at: dict[str, float] = {}  # unix time: when to renew a reservation
+        self._direct_at: dict[str, float] = {}  # trio clock: next direct dial to a peer
+        self.upgraded = 0  # relayed peers we then reached directly
+        self.direct = direct  # dial relayed peers directly (off: tests on loopback)
         self._paths: Callable[[], dict[str, str]] = dict
         self.changed = trio.Event()  # set after each pass (tests wait on it)
 
@@ -71,6 +77,8 @@ class RelayService:
             await sub.ready.wait()
             self.server.attach(sub.host)
             if self.reachability() == "private":
+                if self.direct:
+                    await self.go_direct(sub)
                 await self.keep(sub)
             elif self.held:
                 self._drop_all(sub, "this node is public now")
@@ -115,11 +123,32 @@ class RelayService:
                 break
             await self._reserve(sub, relay)
 
+    async def go_direct(self, sub: Substrate) -> None:
+        """Peers that reached us through a relay (a public node dialing our relayed
+        address) are dialed directly: outbound works through our NAT, the relay is spared,
+        and the peer can become one of our relays (none relays over a relayed connection)."""
+        now = trio.current_time()
+        for peer, path in sub.peer_paths().items():
+            if path == "direct" or self._direct_at.get(peer, 0.0) > now:
+                continue
+            if not sub.direct_addrs(ID.from_base58(peer)):
+                continue  # identify has not told us yet; next pass
+            self._direct_at[peer] = now + self.retry_s
+            addr = await sub.connect_direct(ID.from_base58(peer))
+            if addr is not None:
+                self.upgraded += 1
+                log.info("relay: %s reached us through a relay; now direct at %s", peer, addr)
+
     def _candidates(self, sub: Substrate, connected: set[str]) -> list[str]:
+        """Peers that might relay for us: directly connected (a relay refuses requests
+        over a relayed connection), speaking hop, not refused lately."""
         store = sub.host.get_peerstore()
         now = trio.current_time()
+        paths = sub.peer_paths()
         out = []
         for peer in connected - set(self.held):
+            if paths.get(peer) != "direct":
+                continue
             if self._retry_at.get(peer, 0.0) > now:
                 continue
             try:
@@ -180,6 +209,7 @@ class RelayService:
                                      "limit_s": r.limit_s, "limit_bytes": r.limit_bytes}
                              for relay, r in self.held.items()},
             "renewals": self.renewals,
+            "direct_after_relay": self.upgraded,
             "error": self.last_error,
             "serving": self.server.statistics() if self.reachability() == "public" else None,
         }
