@@ -64,7 +64,6 @@ class RelayService:
         self.upgraded = 0  # relayed peers we then reached directly
         self.direct = direct  # dial relayed peers directly (off: tests on loopback)
         self._paths: Callable[[], dict[str, str]] = dict
-        self.changed = trio.Event()  # set after each pass (tests wait on it)
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -75,16 +74,22 @@ class RelayService:
         task_status.started()
         while True:
             await sub.ready.wait()
-            self.server.attach(sub.host)
-            if self.reachability() == "private":
-                if self.direct:
-                    await self.go_direct(sub)
-                await self.keep(sub)
-            elif self.held:
-                self._drop_all(sub, "this node is public now")
-            self.changed.set()
-            self.changed = trio.Event()
+            try:
+                await self._pass(sub)
+            except Exception as e:  # a host restarting under us, a peer vanishing: the
+                # node runs on; its reservations are checked again next pass
+                self.last_error = f"{e!r}"
+                log.warning("relay: %r (retrying in %.0f s)", e, self.tick_s)
             await trio.sleep(self.tick_s)
+
+    async def _pass(self, sub: Substrate) -> None:
+        self.server.attach(sub.host)
+        if self.reachability() == "private":
+            if self.direct:
+                await self.go_direct(sub)
+            await self.keep(sub)
+        elif self.held:
+            self._drop_all(sub, "this node is public now")
 
     def _hop(self, sub: Substrate):
         async def handle(stream) -> None:
