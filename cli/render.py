@@ -31,6 +31,9 @@ def node_status_table(st: dict[str, Any]) -> Group:
     reach = st.get("reach")
     if reach:
         head.add_row("reachability", reach_line(reach))
+    relay = st.get("relay") or {}
+    if relay.get("reservations") or relay.get("serving") or relay.get("error"):
+        head.add_row("relays", relay_line(relay))
     t = st.get("training")
     if t:
         head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
@@ -42,11 +45,15 @@ def node_status_table(st: dict[str, Any]) -> Group:
             head.add_row("error", Text(t["error"], "red"))
     live = _peers(st)
     peers = Table(title=f"{len(live)} live peers", title_justify="left")
-    for col in ("peer", "last seen", "device", "addrs"):
+    paths = relay.get("paths") or {}
+    for col in ("peer", "last seen", "device", "path", "addrs"):
         peers.add_column(col)
     for p in live:
+        path = paths.get(p["peer_id"], "not connected")
+        if path.startswith("relayed via "):
+            path = f"relayed via {short(path[len('relayed via '):])}"
         peers.add_row(p["peer_id"], f"{p['last_seen_s']:.1f} s ago", str(p.get("device", "")),
-                      (p.get("addrs") or ["-"])[0])
+                      path, (p.get("addrs") or ["-"])[0])
     parts = [head, Text(""), peers]
     bans = (st.get("guard") or {}).get("bans") or {}
     if bans:
@@ -68,6 +75,25 @@ def reach_line(reach: dict[str, Any]) -> Text:
     elif upnp.get("error"):
         line.append("; upnp: ")
         line.append(upnp["error"], "red")
+    return line
+
+
+def relay_line(relay: dict[str, Any]) -> Text:
+    """`reserved on …abc, …def` (a private node) or `serving 2 reservations, 1 circuit,
+    3.1 MB relayed` (a public one), and the last error."""
+    parts = []
+    held = relay.get("reservations") or {}
+    if held:
+        parts.append("reserved on " + ", ".join(short(r) for r in sorted(held)))
+    serving = relay.get("serving")
+    if serving:
+        refused = sum((serving.get("refused") or {}).values())
+        parts.append(f"serving {len(serving.get('reservations') or {})} reservations, "
+                     f"{len(serving.get('circuits') or [])} circuits, "
+                     f"{_bytes(serving.get('bytes_relayed', 0))} relayed, {refused} refused")
+    line = Text("; ".join(parts))
+    if relay.get("error"):
+        line.append(("; " if parts else "") + str(relay["error"]), "yellow")
     return line
 
 

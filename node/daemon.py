@@ -46,6 +46,7 @@ from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
 from node.metrics.service import MetricsService
+from node.reach.relays import RelayService
 from node.reach.service import ReachabilityService
 from node.run.manifest import ManifestService
 from node.run.rundoc_sync import RunDocSync, load_document, stamps
@@ -98,6 +99,7 @@ class Node:
         self.metrics = MetricsService(self.status, config.metrics,
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
+        reach = ReachabilityService(upnp=config.upnp)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps,
@@ -107,7 +109,8 @@ class Node:
             self.manifests,
             CheckpointServer(self.ctx.checkpoints),
             self.redialer,
-            ReachabilityService(upnp=config.upnp),
+            reach,
+            RelayService(reach.verdict),
             *([self.mdns] if self.mdns else []),
         ]
 

@@ -45,6 +45,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p import circuit
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 
@@ -136,6 +137,7 @@ class Substrate:
         # Addresses we advertise beside our listen addresses (a UPnP mapping): identify,
         # peer records and addrs() include them (py-libp2p's addrs_factory).
         self._announced: list[multiaddr.Multiaddr] = []
+        self._relayed: list[str] = []  # `<relay addr>/p2p-circuit`: through a relay
         self.dht_server = True  # False: the DHT runs in client mode (an unreachable node)
 
     # -- handlers -----------------------------------------------------------------
@@ -179,6 +181,7 @@ class Substrate:
             listen_addrs=self.listen,
             addrs_factory=self._advertised,
         )
+        self._with_relayed(host)
         g = self.gossip_settings
         router = GossipSub(
             protocols=[GOSSIP_12, GOSSIP_11, GOSSIP_10],
@@ -233,12 +236,30 @@ class Substrate:
         return out
 
     def announce(self, addr: str) -> None:
-        """Advertise `addr` (no /p2p suffix) as well as our listen addresses."""
-        if all(str(a) != addr for a in self._announced):
+        """Advertise `addr` (no /p2p/<us> suffix) as well as our listen addresses; a
+        relayed one (`<relay>/p2p/<relay id>/p2p-circuit`) goes last."""
+        if "/p2p-circuit" in addr:
+            if addr not in self._relayed:
+                self._relayed.append(addr)
+        elif all(str(a) != addr for a in self._announced):
             self._announced.append(multiaddr.Multiaddr(addr))
 
     def withdraw(self, addr: str) -> None:
         self._announced = [a for a in self._announced if str(a) != addr]
+        self._relayed = [a for a in self._relayed if a != addr]
+
+    def _with_relayed(self, host: IHost) -> None:
+        """py-libp2p's get_addrs strips an address from its first /p2p/ on to append ours,
+        which turns `<relay>/p2p/<relay id>/p2p-circuit` into the relay's own address with
+        our id. Relayed addresses are appended after that step instead (identify and peer
+        records call get_addrs, so they carry them)."""
+        plain = host.get_addrs
+
+        def get_addrs() -> list[multiaddr.Multiaddr]:
+            own = f"/p2p/{self.peer_id.to_base58()}"
+            return [*plain(), *(multiaddr.Multiaddr(a + own) for a in self._relayed)]
+
+        host.get_addrs = get_addrs  # type: ignore[method-assign]
 
     def listen_ports(self) -> list[int]:
         """The TCP ports we listen on (bound: port 0 resolved)."""
@@ -325,8 +346,26 @@ class Substrate:
                 paths[peer.to_base58()] = "direct" if not all(relayed) else "relayed"
         return paths
 
+    def peer_paths(self) -> dict[str, str]:
+        """Each connected peer's path for `node status`: "direct", or "relayed via <relay
+        peer id>" when every connection to it goes through a circuit relay."""
+        if self.host is None:
+            return {}
+        paths = {}
+        for peer, conns in self.host.get_network().get_connections_map().items():
+            if not conns:
+                continue
+            relays = [_relay_of(c) for c in conns]
+            if any(r is None for r in relays):
+                paths[peer.to_base58()] = "direct"
+            else:
+                paths[peer.to_base58()] = "relayed via " + (relays[0] or "?")
+        return paths
+
     async def connect(self, addr: str, timeout: float = 10.0) -> ID:
         """Dial a peer multiaddr; raise DialError with the reason on failure."""
+        if "/p2p-circuit" in addr:
+            return await self._connect_relayed(addr, timeout)
         info = parse_peer_addr(addr)
         if info.peer_id == self.peer_id:
             raise DialError(addr, "that is this node's own address")
@@ -344,9 +383,78 @@ class Substrate:
             await self.dht.add_peer(info.peer_id)
         return info.peer_id
 
-    async def open_stream(self, peer: ID, protocol: str) -> INetStream:
+    def direct_addrs(self, peer: ID) -> list[str]:
+        """The addresses the peerstore (identify, peer records) has for `peer`, relayed
+        ones left out."""
         assert self.host is not None
-        return await self.host.new_stream(peer, [TProtocol(protocol)])
+        try:
+            addrs = self.host.get_peerstore().addrs(peer)
+        except Exception:  # py-libp2p's PeerStoreError: nothing known
+            return []
+        return [str(a) for a in addrs if "/p2p-circuit" not in str(a)]
+
+    async def connect_direct(self, peer: ID, timeout: float = 3.0) -> str | None:
+        """Open a direct connection to a peer we reach only through a relay, at its
+        `direct_addrs` (outbound works through any NAT, so a private node reaches a
+        public peer that reached it through a relay). A new connection even though one
+        exists (py-libp2p's connect would reuse the relayed one); new streams prefer it.
+        Returns the address that answered, or None."""
+        assert self.host is not None
+        swarm = self.host.get_network()
+        for a in self.direct_addrs(peer):
+            try:
+                with trio.fail_after(timeout):
+                    await swarm.dial_addr(multiaddr.Multiaddr(a), peer)  # type: ignore[attr-defined]
+                return a
+            except Exception as e:  # unreachable from here: the next address
+                log.debug("direct dial %s at %s: %s", peer, a, e)
+        return None
+
+    async def _connect_relayed(self, addr: str, timeout: float) -> ID:
+        """Dial through the relay named in `addr` (p2p/circuit.py); py-libp2p's swarm
+        skips /p2p-circuit addresses."""
+        assert self.host is not None
+        try:
+            _, peer = circuit.split(addr)
+        except circuit.CircuitError as e:
+            raise DialError(addr, str(e)) from None
+        if peer == self.peer_id:
+            raise DialError(addr, "that is this node's own address")
+        if (ban := self.gate.banned(peer.to_base58())) is not None:
+            raise DialError(addr, f"peer is banned ({ban.reason})")
+        try:
+            await circuit.dial(self.host, addr, timeout)
+        except trio.TooSlowError:
+            raise DialError(addr, f"no answer through the relay within {timeout:g} s") from None
+        except circuit.CircuitError as e:
+            raise DialError(addr, str(e)) from None
+        except Exception as e:
+            raise DialError(addr, _dial_reason(e)) from e
+        return peer
+
+    async def open_stream(self, peer: ID, protocol: str) -> INetStream:
+        """A new stream to `peer`, on its open connection or a new one; a peer that can
+        only be reached through a relay is dialed at the relayed addresses the peerstore
+        has for it (its peer record), since py-libp2p's dialer skips them."""
+        assert self.host is not None
+        try:
+            return await self.host.new_stream(peer, [TProtocol(protocol)])
+        except Exception as e:
+            relayed = [str(a) for a in self.host.get_peerstore().addrs(peer)
+                       if "/p2p-circuit" in str(a)]
+            if not relayed or self.host.get_network().get_connections(peer):
+                raise
+            for addr in relayed:
+                if not addr.endswith(f"/p2p/{peer.to_base58()}"):
+                    addr = f"{addr}/p2p/{peer.to_base58()}"
+                try:
+                    await self._connect_relayed(addr, 10.0)
+                    break
+                except DialError as d:
+                    log.debug("relayed dial %s: %s", addr, d)
+            else:
+                raise e
+            return await self.host.new_stream(peer, [TProtocol(protocol)])
 
 
 def _dial_reason(e: BaseException) -> str:
@@ -364,6 +472,21 @@ def _dial_reason(e: BaseException) -> str:
     if "refused" in text.lower() or isinstance(seen, ConnectionRefusedError):
         return "connection refused (is a node listening there?)"
     return text
+
+
+def _relay_of(conn: Any) -> str | None:
+    """The relay's peer id if `conn` goes through a circuit relay ("" if unknown), else
+    None."""
+    if not _relayed(conn):
+        return None
+    try:
+        for a in conn.get_transport_addresses():
+            head = str(a).split("/p2p-circuit")[0]
+            if "/p2p/" in head:
+                return head.rsplit("/p2p/", 1)[1]
+    except Exception:
+        pass
+    return ""
 
 
 def _relayed(conn: Any) -> bool:

@@ -79,3 +79,18 @@ def test_node_status_shows_reachability_and_the_gateways_refusal():
     console.print(r.node_status_table(st))
     assert ("private (DHT client); upnp: the gateway refused to map TCP port 4001"
             in console.export_text())
+
+
+def test_node_status_shows_each_peers_path_and_the_relays():
+    peers = [{"peer_id": IDS[1], "last_seen_s": 1.0, "addrs": []},
+             {"peer_id": IDS[2], "last_seen_s": 2.0, "addrs": []}]
+    st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
+          "p2p": {}, "membership": {"peers": peers},
+          "relay": {"paths": {IDS[1]: "direct", IDS[2]: f"relayed via {IDS[3]}"},
+                    "reservations": {IDS[3]: {}, IDS[4]: {}}, "serving": None, "error": None}}
+    console = Console(width=250, record=True)
+    console.print(r.node_status_table(st))
+    text = console.export_text()
+    assert f"reserved on …{IDS[3][-6:]}, …{IDS[4][-6:]}" in text
+    rows = {i: next(line for line in text.splitlines() if i in line) for i in IDS[1:3]}
+    assert "direct" in rows[IDS[1]] and f"relayed via …{IDS[3][-6:]}" in rows[IDS[2]]

@@ -149,7 +149,11 @@ class Averager:
 
     def _lane_for(self, partner: str) -> bool:
         """Offer a bulk lane to `partner`? Not for LANE_RETRY_S after one failed: a lane
-        that failed (a firewall, a NAT) usually fails again, but networks change."""
+        that failed (a firewall, a NAT) usually fails again, but networks change. Never
+        over a relayed connection: its remote address is the relay's, so the lane would
+        dial the relay's IP (and lose the round) instead of the partner."""
+        if self.substrate.peer_paths().get(partner, "direct") != "direct":
+            return False
         failed = self.lane_failed.get(partner)
         if failed is not None and time.monotonic() - failed >= LANE_RETRY_S:
             del self.lane_failed[partner]

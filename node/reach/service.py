@@ -85,6 +85,10 @@ class ReachabilityService:
                 with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                     await self._unmap(sub)
 
+    def verdict(self) -> str:
+        """`public`, `private` or `unknown` (the relay service asks)."""
+        return self.state
+
     async def _wait(self, sub: Substrate) -> None:
         """Until the next check: the interval, or sooner if our candidates changed."""
         wait = self.interval_s if self.state != "unknown" else self.retry_s
@@ -97,7 +101,7 @@ class ReachabilityService:
     def _candidates(self, sub: Substrate) -> list[str]:
         """Where a peer might reach us: listen and announced addresses, and each IP peers
         saw us at with each listen port (a port-preserving NAT, a full-cone NAT)."""
-        own = [a.split("/p2p/")[0] for a in sub.addrs()]
+        own = [a.split("/p2p/")[0] for a in sub.addrs() if "/p2p-circuit" not in a]
         seen = [f"/ip4/{ip}/tcp/{port}" for ip in sub.observed_ips()
                 for port in sub.listen_ports()]
         return sorted(set(own) | set(seen))
