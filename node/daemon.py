@@ -69,6 +69,10 @@ ADDRS_FILE = "addrs.json"
 # of a 7-node digits testnet timed out, heartbeats arrived ~9 s late). A forced switch
 # costs nothing while trio sleeps in epoll, where it holds no GIL.
 SWITCH_INTERVAL_S = 0.0002
+# A joiner's round-trip-bound start (dial, discover, first run-document sync, provider
+# lookup: ~1.5 s on the loaded 2-core machine without torch beside it) runs before the
+# background torch import; this bounds how long torch waits for it (node/preload.py).
+TORCH_HOLD_S = 3.0
 
 
 class Node:
@@ -114,16 +118,15 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ctx = self.ctx
-        if self.config.run_id is not None and self.config.train:
-            # torch loads while we dial, discover and pull the checkpoint. Not earlier (the
-            # CLI's first line): the imports before this point are CPU work as well, and the
-            # two threads share one GIL; measured, 4 nodes of a testnet then started ~2.5 s
-            # later and listed each other ~2 s later (docs/benchmarks.md).
-            preload.start()
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
+            if self.config.run_id is not None and self.config.train:
+                # torch loads in the background while we download the checkpoint, and from
+                # TORCH_HOLD_S on whatever the node is doing (node/preload.py says why not
+                # from the start).
+                nursery.start_soon(preload.start_after, TORCH_HOLD_S)
             await nursery.start(ctx.substrate.serve)
             await nursery.start(ctx.publisher.run)
             for service in self.services:
@@ -195,7 +198,8 @@ class Node:
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
                                                   synced=rundoc.first_sync,
-                                                  still_loading=preload.loading)
+                                                  still_loading=preload.loading,
+                                                  load_torch=preload.start)
             services.append(self._checkpoints)
         return services
 
