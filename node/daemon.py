@@ -70,9 +70,11 @@ ADDRS_FILE = "addrs.json"
 # costs nothing while trio sleeps in epoll, where it holds no GIL.
 SWITCH_INTERVAL_S = 0.0002
 # A joiner's round-trip-bound start (dial, discover, first run-document sync, provider
-# lookup: ~1.5 s on the loaded 2-core machine without torch beside it) runs before the
-# background torch import; this bounds how long torch waits for it (node/preload.py).
-TORCH_HOLD_S = 3.0
+# lookup: ~1.5 s on the loaded 2-core machine without torch beside it, longer at load 15)
+# runs before the background torch import; this bounds how long torch waits for it
+# (node/preload.py). The trainer needs the checkpoint anyway, and its download overlaps
+# the import: only a slow start followed by a short download loses by waiting.
+TORCH_HOLD_S = 8.0
 
 
 class Node:
@@ -146,7 +148,7 @@ class Node:
                     log.info("serving run %s", run_id)
                 more = self._bootstrap_services(runs)
             else:
-                more = await self._join(self.config.run_id)
+                more = await self._join(self.config.run_id, nursery)
             for service in more:
                 self.services.append(service)
                 await nursery.start(service.run, ctx)
@@ -164,7 +166,7 @@ class Node:
         return [HeartbeatService(runs, publish=False, interval_s=self.config.heartbeat_s),
                 PeerRecordService(self.config.reprovide_s)]
 
-    async def _join(self, run_id: str) -> list[Service]:
+    async def _join(self, run_id: str, nursery: trio.Nursery) -> list[Service]:
         """Find and verify the run, then build the services of a node in it."""
         ctx, config = self.ctx, self.config
         ctx.phases.enter("discovering")
@@ -174,7 +176,10 @@ class Node:
         ctx.runs.put(mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
         await self._dial_manifest_bootstrap(list(manifest.network.bootstrap))
-        await self.manifests.provide(ctx, run_id)
+        # In the background: a DHT provide is a lookup and a round of ADD_PROVIDER, ~1 s of
+        # a testnet node's start that held its first heartbeat; peers find us through the
+        # run's other providers meanwhile.
+        nursery.start_soon(self.manifests.provide, ctx, run_id)
         from node.training.rounds import TrainingStats
 
         document = load_document(config.state_dir, run_id, ctx.signer,
@@ -198,7 +203,7 @@ class Node:
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
                                                   synced=rundoc.first_sync,
-                                                  still_loading=preload.loading,
+                                                  still_loading=preload.pending,
                                                   load_torch=preload.start)
             services.append(self._checkpoints)
         return services

@@ -103,6 +103,11 @@ def loading() -> bool:
     return _thread is not None and not _done.is_set()
 
 
+def pending() -> bool:
+    """True until torch is imported (held, or loading): the trainer cannot start yet."""
+    return not _done.is_set()
+
+
 def statistics() -> dict[str, Any]:
     """For `node status` and the join benchmark: did the import finish, and in how long."""
     return {"started": _thread is not None, "done": _done.is_set(),

@@ -48,8 +48,8 @@ class CheckpointService:
                  load_torch: Callable[[], None] = lambda: None) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
-        # True while the trainer could not start anyway (torch is loading: node/preload.py);
-        # the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
+        # True while the trainer could not start anyway (torch is held or loading:
+        # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
         # Starts the background torch import (node/preload.py), held until the round trips
         # of the join are done: the download overlaps it, and with no checkpoint to fetch

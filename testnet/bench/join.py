@@ -185,7 +185,7 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
         notes.append(
             "torch is imported in a background thread (node/preload.py; `torch import s` is "
             "that thread's own time, start to end) that starts when the checkpoint download "
-            "begins (or 3 s after the node's start, or at once when there is nothing to "
+            "begins (or 8 s after the node's start, or at once when there is nothing to "
             "fetch): beside the import, every round trip of the join (dial, DHT, stream "
             "negotiation, the run-document sync) took several times longer (a GIL convoy), "
             "while the bulk download loses less. `wait for torch` is what is left of the "
@@ -196,7 +196,7 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
             notes.append(
                 f"{failed} of {len(results)} joiners did not get the checkpoint and trained "
                 "from scratch: their first anti-entropy round of the run document did not "
-                "finish within its bound (5 s, 30 s while torch loads), so the run document "
+                "finish within its bound (5 s, 30 s until torch is loaded), so the run document "
                 "they held listed no checkpoint, or the pull failed (node.log says why, and "
                 "how long the first anti-entropy round took: retention on the writer can drop "
                 "a checkpoint during a slow download).")
@@ -315,7 +315,7 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"- discover: run providers found in the DHT, manifest fetched and verified, "
         f"announced (DHT provide, heartbeats);\n"
         f"- sync state: the first anti-entropy round of the run document (bounded by 5 s, "
-        f"or by 30 s while torch still loads);\n"
+        f"or by 30 s until torch is loaded);\n"
         f"- find providers: DHT lookup of the newest checkpoint's providers;\n"
         f"- download: the newest checkpoint in the run document, from every provider asked "
         f"in parallel, every chunk verified (torch starts loading in a background thread "
