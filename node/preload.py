@@ -98,11 +98,6 @@ async def ready() -> None:
     wait()
 
 
-def loading() -> bool:
-    """True while the import runs (started, not done)."""
-    return _thread is not None and not _done.is_set()
-
-
 def pending() -> bool:
     """True until torch is imported (held, or loading): the trainer cannot start yet."""
     return not _done.is_set()
