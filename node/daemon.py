@@ -70,6 +70,12 @@ ADDRS_FILE = "addrs.json"
 # of a 7-node digits testnet timed out, heartbeats arrived ~9 s late). A forced switch
 # costs nothing while trio sleeps in epoll, where it holds no GIL.
 SWITCH_INTERVAL_S = 0.0002
+# A joiner's round-trip-bound start (dial, discover, first run-document sync, provider
+# lookup: ~1.5 s on the loaded 2-core machine without torch beside it, longer at load 15)
+# runs before the background torch import; this bounds how long torch waits for it
+# (node/preload.py). The trainer needs the checkpoint anyway, and its download overlaps
+# the import: only a slow start followed by a short download loses by waiting.
+TORCH_HOLD_S = 8.0
 
 
 class Node:
@@ -120,16 +126,15 @@ class Node:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ctx = self.ctx
-        if self.config.run_id is not None and self.config.train:
-            # torch loads while we dial, discover and pull the checkpoint. Not earlier (the
-            # CLI's first line): the imports before this point are CPU work as well, and the
-            # two threads share one GIL; measured, 4 nodes of a testnet then started ~2.5 s
-            # later and listed each other ~2 s later (docs/benchmarks.md).
-            preload.start()
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
+            if self.config.run_id is not None and self.config.train:
+                # torch loads in the background while we download the checkpoint, and from
+                # TORCH_HOLD_S on whatever the node is doing (node/preload.py says why not
+                # from the start).
+                nursery.start_soon(preload.start_after, TORCH_HOLD_S)
             await nursery.start(ctx.substrate.serve)
             await nursery.start(ctx.publisher.run)
             for service in self.services:
@@ -149,7 +154,7 @@ class Node:
                     log.info("serving run %s", run_id)
                 more = self._bootstrap_services(runs)
             else:
-                more = await self._join(self.config.run_id)
+                more = await self._join(self.config.run_id, nursery)
             for service in more:
                 self.services.append(service)
                 await nursery.start(service.run, ctx)
@@ -167,7 +172,7 @@ class Node:
         return [HeartbeatService(runs, publish=False, interval_s=self.config.heartbeat_s),
                 PeerRecordService(self.config.reprovide_s)]
 
-    async def _join(self, run_id: str) -> list[Service]:
+    async def _join(self, run_id: str, nursery: trio.Nursery) -> list[Service]:
         """Find and verify the run, then build the services of a node in it."""
         ctx, config = self.ctx, self.config
         ctx.phases.enter("discovering")
@@ -177,7 +182,10 @@ class Node:
         ctx.runs.put(mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
         await self._dial_manifest_bootstrap(list(manifest.network.bootstrap))
-        await self.manifests.provide(ctx, run_id)
+        # In the background: a DHT provide is a lookup and a round of ADD_PROVIDER, ~1 s of
+        # a testnet node's start that held its first heartbeat; peers find us through the
+        # run's other providers meanwhile.
+        nursery.start_soon(self.manifests.provide, ctx, run_id)
         from node.training.rounds import TrainingStats
 
         document = load_document(config.state_dir, run_id, ctx.signer,
@@ -201,7 +209,8 @@ class Node:
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
                                                   synced=rundoc.first_sync,
-                                                  still_loading=preload.loading)
+                                                  still_loading=preload.pending,
+                                                  load_torch=preload.start)
             services.append(self._checkpoints)
         return services
 

@@ -8,10 +8,18 @@ bootstrap peers, discovers the run and pulls the newest checkpoint; the training
 trio thread may import a torch-importing module before `ready()` returns: Python's import
 lock would block the event loop until the background import finishes.
 
-The import competes with the trio thread for the GIL but not for the network: the gain is
-the overlap of torch's module set-up with dials, DHT lookups and downloads, where the trio
-thread waits. The CLI's own imports (libp2p's) are CPU work too, so starting torch before
-them gained nothing there and slowed the node's start (node/daemon.py says by how much).
+The import competes with the trio thread for the GIL, and that costs the round trips of a
+join far more than the import's CPU share suggests: every socket call releases the GIL,
+and getting it back from the import thread on an oversubscribed machine waits for the OS
+to run that thread again (a GIL convoy). Measured on the shared 2-core machine at load
+~9, 4 trainers running: a joiner's connect, discover, first run-document sync and
+provider lookup took 1.3 s without the import beside them and 5-20 s with it (every
+multistream negotiation of the joiner took 4-6 s while torch loaded; the trio loop itself
+was never late by more than 0.5 s). So the daemon starts the import only when the join's
+round trips are done (`start()` as the checkpoint download begins, or when there is none
+to fetch) or after a bound (`start_after`, node/daemon.py): the bulk download and the
+import overlap, the chatty part does not. The CLI's own imports (libp2p's) are CPU work
+too, so starting torch before them gained nothing there.
 """
 
 from __future__ import annotations
@@ -37,6 +45,12 @@ def start() -> None:
             return
         _thread = threading.Thread(target=_load, name="peertrain-torch-import", daemon=True)
         _thread.start()
+
+
+async def start_after(seconds: float) -> None:
+    """`start()` after `seconds`, unless something started the import sooner."""
+    await trio.sleep(seconds)
+    start()
 
 
 def _load() -> None:
@@ -84,9 +98,9 @@ async def ready() -> None:
     wait()
 
 
-def loading() -> bool:
-    """True while the import runs (started, not done)."""
-    return _thread is not None and not _done.is_set()
+def pending() -> bool:
+    """True until torch is imported (held, or loading): the trainer cannot start yet."""
+    return not _done.is_set()
 
 
 def statistics() -> dict[str, Any]:

@@ -44,12 +44,17 @@ class CheckpointService:
     protocols = ()  # /peertrain/ckpt/1.0.0 is served by CheckpointServer on every node
 
     def __init__(self, publish: Callable[[bytes], None], synced: trio.Event,
-                 still_loading: Callable[[], bool] = lambda: False) -> None:
+                 still_loading: Callable[[], bool] = lambda: False,
+                 load_torch: Callable[[], None] = lambda: None) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
-        # True while the trainer could not start anyway (torch is loading: node/preload.py);
-        # the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
+        # True while the trainer could not start anyway (torch is held or loading:
+        # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
+        # Starts the background torch import (node/preload.py), held until the round trips
+        # of the join are done: the download overlaps it, and with no checkpoint to fetch
+        # the trainer needs torch at once.
+        self._load_torch = load_torch
         self.download: dict[str, Any] | None = None
         self.saved = 0
         self.failed = 0
@@ -61,6 +66,7 @@ class CheckpointService:
         self._ctx = ctx
         run_id = ctx.the_run().run_id
         self.resume_from = ctx.checkpoints.latest(run_id) or await self._pull_newest(ctx)
+        self._load_torch()
         # Whatever we hold, written before a restart or just pulled, the next joiner can
         # fetch from us too (until retention drops it).
         dht = ctx.substrate.dht
@@ -100,6 +106,7 @@ class CheckpointService:
             if extra not in providers and extra != ctx.substrate.peer_id:
                 providers.append(extra)
         ctx.phases.enter("downloading checkpoint")
+        self._load_torch()
         download = self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
                                     "providers": len(providers)}
 

@@ -20,6 +20,8 @@ from protocols.errors import RemoteProtocolError
 
 log = logging.getLogger("node.membership")
 
+FIRST_BEATS, FIRST_BEATS_S = 4, 0.25  # a new node's first heartbeats, this far apart
+
 
 class HeartbeatService:
     name = "membership"
@@ -53,7 +55,10 @@ class HeartbeatService:
             beat = hb.Heartbeat(ctx.peer_id, self.sent, tuple(ctx.substrate.addrs()),
                                 role="node", device=ctx.device, stats=ctx.own_stats())
             ctx.publisher.publish_nowait(topic, beat.encode())
-            await trio.sleep(self.interval_s)
+            # The first few come sooner: right after joining, gossip has no mesh for the
+            # topic yet and a beat can reach nobody; peers then list us one interval later.
+            await trio.sleep(min(self.interval_s, FIRST_BEATS_S)
+                             if self.sent <= FIRST_BEATS else self.interval_s)
 
     async def _listen(self, ctx: NodeContext, run_id: str) -> None:
         topic = hb.topic(run_id)

@@ -191,10 +191,14 @@ class RunDocSync:
             return now - failed_at >= wait
 
         async def sync(peer: str) -> None:
+            began = time.monotonic()
             try:
                 with trio.fail_after(10):
                     await self._sync_with(peer)
                 self.syncs += 1
+                if not self.first_sync.is_set():
+                    log.info("first anti-entropy round: with %s in %.2f s", peer,
+                             time.monotonic() - began, extra={"peer": peer})
                 self.first_sync.set()
                 failed.pop(peer, None)
             except Exception as e:

@@ -183,19 +183,23 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
         notes.append(f"Goal join to first step <= {GOAL_JOIN_S:g} s: {met} (median "
                      f"{total:.1f} s). The costliest phases (medians): {top}.")
         notes.append(
-            "torch is imported in a background thread from the node's start (node/preload.py;"
-            " `torch import s` is that thread's own time, start to end) while the node dials, "
-            "discovers, syncs and downloads; `wait for torch` is what is left of it when the "
-            "checkpoint is in (0 when it finished first). The trainer is built from the "
-            "newest checkpoint right after.")
+            "torch is imported in a background thread (node/preload.py; `torch import s` is "
+            "that thread's own time, start to end) that starts when the checkpoint download "
+            "begins (or 8 s after the node's start, or at once when there is nothing to "
+            "fetch): beside the import, every round trip of the join (dial, DHT, stream "
+            "negotiation, the run-document sync) took several times longer (a GIL convoy), "
+            "while the bulk download loses less. `wait for torch` is what is left of the "
+            "import when the checkpoint is in (0 when it finished first). The trainer is "
+            "built from the newest checkpoint right after.")
         failed = sum(1 for r in results if not r["served_by"])
         if failed:
             notes.append(
                 f"{failed} of {len(results)} joiners did not get the checkpoint and trained "
                 "from scratch: their first anti-entropy round of the run document did not "
-                "finish within its bound (5 s, 30 s while torch loads), so the run document "
-                "they held listed no checkpoint, or the pull failed (node.log says why: "
-                "retention on the writer can drop a checkpoint during a slow download).")
+                "finish within its bound (5 s, 30 s until torch is loaded), so the run document "
+                "they held listed no checkpoint, or the pull failed (node.log says why, and "
+                "how long the first anti-entropy round took: retention on the writer can drop "
+                "a checkpoint during a slow download).")
         pulled = [r for r in results if r["served_by"]]
         if pulled and all(r["served_by"] == 1 for r in pulled):
             notes.append(
@@ -306,19 +310,24 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"checkpoint every {sizes['every']} steps) on this machine's cores; then {joins} "
         f"joiner{'s join' if joins > 1 else ' joins'}, one at a time. Seconds, from the "
         f"joiner's own clock:\n\n"
-        f"- start-up: process spawn to node start (Python, the CLI, libp2p imports; torch "
-        f"starts loading in a background thread here);\n"
+        f"- start-up: process spawn to node start (Python, the CLI, libp2p imports);\n"
         f"- connect: bootstrap dialed (the DHT self-lookup then goes on in the background);\n"
         f"- discover: run providers found in the DHT, manifest fetched and verified, "
         f"announced (DHT provide, heartbeats);\n"
         f"- sync state: the first anti-entropy round of the run document (bounded by 5 s, "
-        f"or by 30 s while torch still loads);\n"
+        f"or by 30 s until torch is loaded);\n"
         f"- find providers: DHT lookup of the newest checkpoint's providers;\n"
         f"- download: the newest checkpoint in the run document, from every provider asked "
-        f"in parallel, every chunk verified;\n"
+        f"in parallel, every chunk verified (torch starts loading in a background thread "
+        f"here);\n"
         f"- wait for torch: the rest of the background import, once the checkpoint is in;\n"
         f"- build trainer: model built, training data read, checkpoint verified and loaded;\n"
         f"- first step: one training step, while {nodes} trainers share the machine's cores."
+        f"\n\nWhat a checkpoint of this model holds (one safetensors file, 4 MiB chunks): "
+        f"the weights (25.5 MB fp32), AdamW's two moments (51 MB), and NoLoCo's outer "
+        f"state, the anchor weights phi and the outer momentum m (25.5 MB each). A joiner "
+        f"fetches and verifies all of it and resumes with every part: the same run as the "
+        f"writer's, not a warm start from the weights."
         f"\n\n{table}{_findings(results, members)}"
     )
     write_section("join", text, doc) if doc else write_section("join", text)
