@@ -185,9 +185,14 @@ NETNS_FILES = {"test_partition.py", "test_nat.py", "test_join_mdns.py",
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist (`make test-fast` runs `-n 2 --dist loadgroup`): a file's tests stay on
-    one worker (module fixtures are built once, a file's node processes never race each
-    other), and the namespace files share one group, so they run one after the other."""
+    """With pytest-xdist (`make test` and `make test-fast` run `-n 2 --dist loadgroup`):
+    every test that starts node processes (slow, interop) or builds namespaces is in one
+    group, so they run one after the other on one worker while the other worker runs the
+    in-process tests; two files of node processes at once on 2 cores failed the sybil test
+    (node1 learnt the label flip), a busy core beside them has not. An in-process file's
+    tests stay on one worker (its module fixtures are built once)."""
     for item in items:
         name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("netns" if name in NETNS_FILES else name))
+        nodes = name in NETNS_FILES or any(item.iter_markers("slow")) or any(
+            item.iter_markers("interop"))
+        item.add_marker(pytest.mark.xdist_group("nodes" if nodes else name))
