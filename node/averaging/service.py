@@ -28,7 +28,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.averaging.lane import LaneListener, connect_lane
+from node.lane import LaneListener, connect_lane, listen_host
 from node.streams import pump, write_chunks
 from node.training.rounds import Outcome
 from p2p.host import Substrate
@@ -103,7 +103,7 @@ class Averager:
         # relays and NATs). Partner -> when its lane failed (time.monotonic()).
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
-        self.lane_host = _listen_host(substrate)
+        self.lane_host = listen_host(substrate)
         self.after_round = after_round
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         self._nursery: trio.Nursery | None = None
@@ -362,16 +362,6 @@ class Averager:
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
         return await pump(stream, ex.next_event, ex.receive_data, into=ex)
-
-
-def _listen_host(substrate: Substrate) -> str:
-    """Lanes listen where the node listens (loopback in a testnet, all interfaces else)."""
-    for addr in substrate.listen:
-        try:
-            return addr.value_for_protocol("ip4")
-        except Exception:
-            continue
-    return "0.0.0.0"
 
 
 async def _close(stream: Any) -> None:

@@ -5,6 +5,12 @@ chunks from every provider in parallel: one worker per provider takes the next m
 chunk from a shared queue, and a chunk that fails (timeout, stall, wrong hash, refusal) goes
 back into the queue while that provider is dropped. Chunks already on disk are skipped, so
 an interrupted pull resumes where it stopped. Nothing is loaded that failed verification.
+
+Chunks travel on a bulk lane (node/lane.py) when the provider offers one, LANE_WINDOW
+requests in flight; else (an older node, a lane that cannot be reached, a busy server) on
+the libp2p stream, one request at a time. Why: the provider is usually a trainer, and
+beside its trainer thread the stream served ~10 MB/s, 60% of it in Yamux/Noise writes and
+the rest in one round trip per 4 MiB chunk (docs/benchmarks.md, "Joining mid-run").
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,16 +29,22 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointError, CheckpointStore
+from node.lane import LaneListener, LaneStream, connect_lane, listen_host
 from node.service import NodeContext
 from node.streams import StreamEnded, next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
 from protocols.errors import RemoteProtocolError
-from protocols.wire import Envelope
+from protocols.wire import NEED_DATA, Envelope
 
 log = logging.getLogger("node.ckpt")
 _ids = itertools.count(1)
+
+LANE_WINDOW = 4  # chunk requests in flight on one lane (16 MiB)
+MAX_LANES = 4  # lanes a server serves at once (each holds ~16 MiB of buffers)
+LANE_ACCEPT_S = 5.0  # how long an offered lane waits for its asker to connect
+LANE_CONNECT_S = 2.0  # how long the asker tries to reach an offered lane
 
 
 class CheckpointServer:
@@ -41,19 +54,27 @@ class CheckpointServer:
     name = "checkpoint_server"
     protocols = (cx.PROTOCOL_ID,)
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, lane_host: str = "127.0.0.1",
+                 lanes: bool = True) -> None:
         self.store = store
+        self.lane_host, self.lanes = lane_host, lanes  # where lanes listen; offered at all?
         self.served = 0
         self.missing = 0
+        self.served_on_lanes = 0  # of `served`: chunks sent on a bulk lane
+        self.lanes_open = 0
+        self.lanes_refused = 0  # asked while MAX_LANES were open: the stream carries on
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.lane_host = listen_host(ctx.substrate)
         ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
 
     def statistics(self) -> dict[str, Any]:
-        return {"served": self.served, "not_held": self.missing}
+        return {"served": self.served, "not_held": self.missing,
+                "served_on_lanes": self.served_on_lanes, "lanes_open": self.lanes_open,
+                "lanes_refused": self.lanes_refused}
 
     async def handle(self, stream: INetStream) -> None:
         decoder = cx.REQUEST_LIMITS.decoder()
@@ -67,6 +88,9 @@ class CheckpointServer:
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)
+                if kind == "ckpt.lane":
+                    await self._offer_lane(stream, env, cid)
+                    return  # the session goes on on the lane, if at all
                 data = await trio.to_thread.run_sync(_read, self.store, kind, cid, index)
                 if data is None:
                     self.missing += 1
@@ -75,6 +99,101 @@ class CheckpointServer:
                 await stream.write(cx.respond(env, data, index))
         finally:
             await stream.close()
+
+
+    async def _offer_lane(self, stream: INetStream, env: Envelope, cid: str) -> None:
+        if not self.store.latest_ok(cid):
+            self.missing += 1
+            await stream.write(cx.refuse(env))
+            return
+        if not self.lanes or self.lanes_open >= MAX_LANES:
+            self.lanes_refused += self.lanes
+            await stream.write(cx.refuse(env, "no lane now: ask on the stream", "busy"))
+            return
+        self.lanes_open += 1
+        try:
+            listener = LaneListener(self.lane_host)
+            try:
+                port = await listener.open()
+                await stream.write(cx.respond_lane(env, port, listener.key))
+                lane = await listener.accept(timeout=LANE_ACCEPT_S)
+            finally:
+                await listener.aclose()
+            try:
+                await self._serve_lane(lane)
+            finally:
+                await lane.close()
+        finally:
+            self.lanes_open -= 1
+
+    async def _serve_lane(self, lane: LaneStream) -> None:
+        """Answer chunk requests in order until the asker hangs up; each chunk is read
+        into one buffer (in a worker thread) and sealed from it, never copied again."""
+        decoder = cx.REQUEST_LIMITS.decoder()
+        buffer = memoryview(bytearray(ck.CHUNK_BYTES))
+        while True:
+            with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
+                try:
+                    env = await next_event(lane, decoder)
+                except StreamEnded:
+                    return
+            if not isinstance(env, Envelope):
+                raise RemoteProtocolError("expected a request")
+            kind, cid, index = cx.parse_request(env)
+            if kind != "ckpt.chunk":
+                raise RemoteProtocolError(f"{kind} on a lane: only chunks are asked there")
+            n = await trio.to_thread.run_sync(_read_into, self.store, cid, index, buffer)
+            if n is None:
+                self.missing += 1
+                await lane.write(cx.refuse(env))
+                continue
+            await lane.write(cx.chunk_header(env, n))
+            await lane.write(buffer[:n])
+            self.served += 1
+            self.served_on_lanes += 1
+
+
+def _chunk_size(m: ck.CheckpointManifest, index: int) -> int:
+    return min(m.chunk, m.size - index * m.chunk)
+
+
+async def _lane_chunk(lane: LaneStream, decoder: Any, req: int, index: int,
+                      size: int) -> bytearray:
+    """Chunk `index` from a lane: its header (one envelope in one record, checked against
+    the request and the manifest's `size`), then exactly `size` bytes opened in place."""
+    plain = await lane.read()
+    if not plain:
+        raise StreamEnded(f"lane closed before chunk {index}")
+    decoder.feed(plain)
+    env = decoder.next_event()
+    if not isinstance(env, Envelope) or decoder.next_event() is not NEED_DATA:
+        raise RemoteProtocolError("a lane chunk header must be one envelope in one record")
+    cx.parse_chunk_header(env, req, index, size)
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = await lane.read_into(view[got:])
+        if type(n) is not int:
+            raise (RemoteProtocolError(f"chunk {index}: a record runs past its {size} bytes")
+                   if n else StreamEnded(f"lane closed in the middle of chunk {index}"))
+        got += n
+    return data
+
+
+def _read_into(store: CheckpointStore, cid: str, index: int | None,
+               buffer: memoryview) -> int | None:
+    """Chunk `index` of `cid` read into `buffer`; its size, or None if not held."""
+    try:
+        m = store.manifest(cid)
+        if index is None or index >= len(m.chunks):
+            return None
+        with open(store.chunks / m.chunks[index], "rb") as f:
+            n = f.readinto(buffer)
+            if f.read(1):  # a chunk file larger than a chunk is not ours to send
+                return None
+        return n
+    except (OSError, CheckpointError):
+        return None
 
 
 def _read(store: CheckpointStore, kind: str, cid: str, index: int | None) -> bytes | None:
@@ -98,13 +217,31 @@ class _Session:
         self.decoder = cx.RESPONSE_LIMITS.decoder()
 
     async def ask(self, request: bytes, req_id: int, kind: str) -> bytes:
+        return cx.parse_response(await self.ask_envelope(request), req_id, kind)
+
+    async def ask_envelope(self, request: bytes) -> Envelope:
         if self.stream is None:
             self.stream = await self.substrate.open_stream(self.peer, cx.PROTOCOL_ID)
         await self.stream.write(request)
         env = await next_event(self.stream, self.decoder)
         if not isinstance(env, Envelope):
             raise RemoteProtocolError("expected a response envelope")
-        return cx.parse_response(env, req_id, kind)
+        return env
+
+    async def open_lane(self, cid: str) -> LaneStream | None:
+        """A bulk lane to the provider for `cid`'s chunks; None if it offers none now.
+        LookupError if it does not hold `cid`."""
+        req = next(_ids)
+        try:
+            env = await self.ask_envelope(cx.request_lane(req, cid))
+            port, key = cx.parse_lane(env, req)
+        except LookupError as e:
+            if "no lane" in str(e):
+                return None  # busy: the stream carries the chunks
+            raise
+        assert self.stream is not None
+        host = self.stream.get_remote_address()[0]
+        return await connect_lane(host, port, key, timeout=LANE_CONNECT_S)
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -123,6 +260,7 @@ class PullResult:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     chunks_by_peer: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
+    paths: dict[str, str] = field(default_factory=dict)  # peer -> "lane" or "stream"
 
     @property
     def fetched_bytes(self) -> int:
@@ -132,11 +270,13 @@ class PullResult:
 async def pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
                *, chunk_timeout: float = 30.0,
                progress: Callable[[int, int], None] = lambda done, total: None,
-               check: Callable[[ck.CheckpointManifest], None] | None = None) -> PullResult:
+               check: Callable[[ck.CheckpointManifest], None] | None = None,
+               lanes: bool = True) -> PullResult:
     """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
 
     `check` sees the verified manifest before any chunk is fetched and may refuse it by
     raising CheckpointError (`node ckpt pull --run` does, for another run's checkpoint).
+    `lanes`: ask each provider for a bulk lane first (else the libp2p stream only).
     """
     started = time.monotonic()
     manifest, reasons = None, []
@@ -177,39 +317,104 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     if not remaining:
         finished.set()
 
-    async def worker(peer: ID) -> None:
+    def failed(name: str, indices: list[int], e: BaseException) -> None:
+        """A provider is dropped; its chunks go back to the queue for the others."""
+        log.info("chunk(s) %s from %s failed (%r); another provider takes them",
+                 indices, name, e)
+        first = indices[0] if indices else None
+        result.failures[name] = (f"chunk {first}: no answer within {chunk_timeout:g} s"
+                                 if isinstance(e, trio.TooSlowError) else f"chunk {first}: {e}")
+        for index in indices:
+            send.send_nowait(index)
+
+    def fetched(name: str, index: int, size: int) -> None:
         nonlocal done
+        result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + size
+        result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
+        remaining.discard(index)
+        done += 1
+        progress(done, total)
+        if not remaining:
+            finished.set()
+
+    async def next_index() -> int | None:
+        with trio.move_on_after(0.2):  # only the wait for work is bounded this way
+            return await receive.receive()
+        return None
+
+    async def on_stream(session: _Session, name: str) -> None:
+        while not finished.is_set():
+            index = await next_index()
+            if index is None:
+                continue
+            try:
+                with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                    req = next(_ids)
+                    data = await session.ask(cx.request_chunk(req, cid, index), req,
+                                             "ckpt.chunk")
+                store.put_chunk(manifest.chunks[index], data)
+            except (Exception, trio.TooSlowError) as e:
+                failed(name, [index], e)
+                return
+            fetched(name, index, len(data))
+
+    async def on_lane(lane: LaneStream, name: str) -> None:
+        decoder = cx.LANE_HEADER_LIMITS.decoder()
+        inflight: deque[tuple[int, int]] = deque()  # (index, request id), in order
+        try:
+            while not finished.is_set():
+                while len(inflight) < LANE_WINDOW:  # keep the provider busy
+                    try:
+                        index = receive.receive_nowait()
+                    except trio.WouldBlock:
+                        index = None if inflight else await next_index()
+                    if index is None:
+                        break
+                    req = next(_ids)
+                    inflight.append((index, req))
+                    await lane.write(cx.request_chunk(req, cid, index))
+                if not inflight:
+                    continue
+                index, req = inflight[0]
+                with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                    data = await _lane_chunk(lane, decoder, req, index,
+                                             _chunk_size(manifest, index))
+                    await trio.to_thread.run_sync(store.put_chunk, manifest.chunks[index],
+                                                  data)
+                inflight.popleft()
+                fetched(name, index, len(data))
+        except (Exception, trio.TooSlowError) as e:
+            failed(name, [i for i, _ in inflight], e)
+
+    async def worker(peer: ID) -> None:
         name = peer.to_base58()
         session = _Session(substrate, peer)
         try:
-            while not finished.is_set():
-                index = None
-                with trio.move_on_after(0.2):  # only the wait for work is bounded this way
-                    index = await receive.receive()
-                if index is None:
-                    continue
+            lane = None
+            if lanes:
                 try:
-                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
-                        req = next(_ids)
-                        data = await session.ask(cx.request_chunk(req, cid, index), req,
-                                                 "ckpt.chunk")
-                    store.put_chunk(manifest.chunks[index], data)
-                except (Exception, trio.TooSlowError) as e:
-                    log.info("chunk %d from %s failed (%r); another provider takes it",
-                             index, peer, e)
-                    result.failures[name] = (f"chunk {index}: no answer within "
-                                             f"{chunk_timeout:g} s"
-                                             if isinstance(e, trio.TooSlowError)
-                                             else f"chunk {index}: {e}")
-                    send.send_nowait(index)
+                    with trio.fail_after(chunk_timeout):
+                        lane = await session.open_lane(cid)
+                except LookupError as e:  # not held there after all
+                    result.failures[name] = str(e)
                     return
-                result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + len(data)
-                result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
-                remaining.discard(index)
-                done += 1
-                progress(done, total)
-                if not remaining:
-                    finished.set()
+                except (Exception, trio.TooSlowError) as e:
+                    log.info("no bulk lane to %s (%r); the libp2p stream carries the chunks",
+                             name, e)
+                if lane is not None or session.stream is not None:
+                    await session.close()  # the lane request ended that stream's session
+                    session = _Session(substrate, peer)
+            if lane is None:
+                result.paths[name] = "stream"
+                await on_stream(session, name)
+                return
+            result.paths[name] = "lane"
+            try:
+                await on_lane(lane, name)
+            finally:
+                with trio.move_on_after(2):
+                    with contextlib.suppress(Exception):
+                        await lane.close()
         finally:
             await session.close()
 
