@@ -127,30 +127,66 @@ class CheckpointServer:
             self.lanes_open -= 1
 
     async def _serve_lane(self, lane: LaneStream) -> None:
-        """Answer chunk requests in order until the asker hangs up; each chunk is read
-        into one buffer (in a worker thread) and sealed from it, never copied again."""
+        """Answer chunk requests in order until the asker hangs up. Two chunk buffers: the
+        next chunk is read from disk (in a worker thread) while this one is sealed from its
+        buffer and sent; nothing is copied in between."""
         decoder = cx.REQUEST_LIMITS.decoder()
-        buffer = memoryview(bytearray(ck.CHUNK_BYTES))
-        while True:
-            with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
-                try:
-                    env = await next_event(lane, decoder)
-                except StreamEnded:
-                    return
-            if not isinstance(env, Envelope):
-                raise RemoteProtocolError("expected a request")
-            kind, cid, index = cx.parse_request(env)
-            if kind != "ckpt.chunk":
-                raise RemoteProtocolError(f"{kind} on a lane: only chunks are asked there")
-            n = await trio.to_thread.run_sync(_read_into, self.store, cid, index, buffer)
-            if n is None:
-                self.missing += 1
-                await lane.write(cx.refuse(env))
-                continue
-            await lane.write(cx.chunk_header(env, n))
-            await lane.write(buffer[:n])
-            self.served += 1
-            self.served_on_lanes += 1
+        free_in, free = trio.open_memory_channel[memoryview](2)
+        for _ in range(2):
+            free_in.send_nowait(memoryview(bytearray(ck.CHUNK_BYTES)))
+        to_send, sending = trio.open_memory_channel[tuple[Envelope, memoryview, int | None]](1)
+
+        async def read_requests() -> None:
+            async with to_send:
+                while True:
+                    with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
+                        try:
+                            env = await next_event(lane, decoder)
+                        except StreamEnded:
+                            return
+                    if not isinstance(env, Envelope):
+                        raise RemoteProtocolError("expected a request")
+                    kind, cid, index = cx.parse_request(env)
+                    if kind != "ckpt.chunk":
+                        raise RemoteProtocolError(f"{kind} on a lane: only chunks go there")
+                    buffer = await free.receive()
+                    n = await trio.to_thread.run_sync(_read_into, self.store, cid, index,
+                                                      buffer)
+                    await to_send.send((env, buffer, n))
+
+        async def send_chunks() -> None:
+            async for env, buffer, n in sending:
+                if n is None:
+                    self.missing += 1
+                    await lane.write(cx.refuse(env))
+                else:
+                    await lane.write(cx.chunk_header(env, n))
+                    await lane.write(buffer[:n])
+                    self.served += 1
+                    self.served_on_lanes += 1
+                free_in.send_nowait(buffer)
+
+        errors = await _together(read_requests, send_chunks)
+        if errors:
+            raise errors[0]  # as one handler's error, for the guard to classify
+
+
+async def _together(*tasks: Callable[[], Any]) -> list[Exception]:
+    """Run `tasks` concurrently; the first to fail cancels the others. Their errors, plain
+    (no exception group), first one first."""
+    errors: list[Exception] = []
+
+    async def guarded(task: Callable[[], Any], scope: trio.CancelScope) -> None:
+        try:
+            await task()
+        except Exception as e:
+            errors.append(e)
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(guarded, task, nursery.cancel_scope)
+    return errors
 
 
 def _chunk_size(m: ck.CheckpointManifest, index: int) -> int:
@@ -359,32 +395,52 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
             fetched(name, index, len(data))
 
     async def on_lane(lane: LaneStream, name: str) -> None:
+        """LANE_WINDOW requests in flight; each chunk is verified and written in a worker
+        thread while the next one arrives. On any failure, every chunk this provider had
+        taken and not stored goes back to the queue."""
         decoder = cx.LANE_HEADER_LIMITS.decoder()
         inflight: deque[tuple[int, int]] = deque()  # (index, request id), in order
-        try:
-            while not finished.is_set():
-                while len(inflight) < LANE_WINDOW:  # keep the provider busy
-                    try:
-                        index = receive.receive_nowait()
-                    except trio.WouldBlock:
-                        index = None if inflight else await next_index()
-                    if index is None:
-                        break
-                    req = next(_ids)
-                    inflight.append((index, req))
-                    await lane.write(cx.request_chunk(req, cid, index))
-                if not inflight:
-                    continue
-                index, req = inflight[0]
-                with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
-                    data = await _lane_chunk(lane, decoder, req, index,
-                                             _chunk_size(manifest, index))
-                    await trio.to_thread.run_sync(store.put_chunk, manifest.chunks[index],
-                                                  data)
-                inflight.popleft()
+        pending: set[int] = set()  # taken from the queue, not yet stored
+        to_store, storing = trio.open_memory_channel[tuple[int, bytearray]](1)
+
+        async def receive_chunks() -> None:
+            async with to_store:
+                while not finished.is_set():
+                    while len(inflight) < LANE_WINDOW:  # keep the provider busy
+                        try:
+                            index = receive.receive_nowait()
+                        except trio.WouldBlock:
+                            index = None if inflight or pending else await next_index()
+                        if index is None:
+                            break
+                        req = next(_ids)
+                        inflight.append((index, req))
+                        pending.add(index)
+                        await lane.write(cx.request_chunk(req, cid, index))
+                    if not inflight:
+                        if pending:  # the last chunks are being stored
+                            await next_index_or_done()
+                        continue
+                    index, req = inflight[0]
+                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                        data = await _lane_chunk(lane, decoder, req, index,
+                                                 _chunk_size(manifest, index))
+                    inflight.popleft()
+                    await to_store.send((index, data))
+
+        async def store_chunks() -> None:
+            async for index, data in storing:  # hash checked in put_chunk
+                await trio.to_thread.run_sync(store.put_chunk, manifest.chunks[index], data)
+                pending.discard(index)
                 fetched(name, index, len(data))
-        except (Exception, trio.TooSlowError) as e:
-            failed(name, [i for i, _ in inflight], e)
+
+        errors = await _together(receive_chunks, store_chunks)
+        if errors:
+            failed(name, sorted(pending), errors[0])
+
+    async def next_index_or_done() -> None:
+        with trio.move_on_after(0.2):
+            await finished.wait()
 
     async def worker(peer: ID) -> None:
         name = peer.to_base58()
