@@ -124,6 +124,19 @@ def chunk_header(env: Envelope, size: int) -> bytes:
                                                            "size": size}))
 
 
+def parse_chunk_header_record(record: bytes | memoryview, req_id: int, index: int,
+                              expected: int) -> None:
+    """A lane record that must hold exactly one chunk header envelope; checked as below."""
+    if len(record) < 4 or int.from_bytes(record[:4], "big") + 4 != len(record):
+        raise RemoteProtocolError("a lane chunk header must be one envelope in one record")
+    decoder = LANE_HEADER_LIMITS.decoder()
+    decoder.feed(record)
+    env = decoder.next_event()
+    if not isinstance(env, Envelope):
+        raise RemoteProtocolError("a lane chunk header must be an envelope")
+    parse_chunk_header(env, req_id, index, expected)
+
+
 def parse_chunk_header(env: Envelope, req_id: int, index: int, expected: int) -> None:
     """Check a lane's chunk header against the request and the manifest's size for that
     chunk (`expected`): LookupError if not held, RemoteProtocolError if anything differs."""

@@ -36,7 +36,7 @@ from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
 from protocols.errors import RemoteProtocolError
-from protocols.wire import NEED_DATA, Envelope
+from protocols.wire import Envelope
 
 log = logging.getLogger("node.ckpt")
 _ids = itertools.count(1)
@@ -193,18 +193,13 @@ def _chunk_size(m: ck.CheckpointManifest, index: int) -> int:
     return min(m.chunk, m.size - index * m.chunk)
 
 
-async def _lane_chunk(lane: LaneStream, decoder: Any, req: int, index: int,
-                      size: int) -> bytearray:
+async def _lane_chunk(lane: LaneStream, req: int, index: int, size: int) -> bytearray:
     """Chunk `index` from a lane: its header (one envelope in one record, checked against
     the request and the manifest's `size`), then exactly `size` bytes opened in place."""
     plain = await lane.read()
     if not plain:
         raise StreamEnded(f"lane closed before chunk {index}")
-    decoder.feed(plain)
-    env = decoder.next_event()
-    if not isinstance(env, Envelope) or decoder.next_event() is not NEED_DATA:
-        raise RemoteProtocolError("a lane chunk header must be one envelope in one record")
-    cx.parse_chunk_header(env, req, index, size)
+    cx.parse_chunk_header_record(plain, req, index, size)
     data = bytearray(size)
     view, got = memoryview(data), 0
     while got < size:
@@ -398,7 +393,6 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
         """LANE_WINDOW requests in flight; each chunk is verified and written in a worker
         thread while the next one arrives. On any failure, every chunk this provider had
         taken and not stored goes back to the queue."""
-        decoder = cx.LANE_HEADER_LIMITS.decoder()
         inflight: deque[tuple[int, int]] = deque()  # (index, request id), in order
         pending: set[int] = set()  # taken from the queue, not yet stored
         to_store, storing = trio.open_memory_channel[tuple[int, bytearray]](1)
@@ -423,7 +417,7 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                         continue
                     index, req = inflight[0]
                     with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
-                        data = await _lane_chunk(lane, decoder, req, index,
+                        data = await _lane_chunk(lane, req, index,
                                                  _chunk_size(manifest, index))
                     inflight.popleft()
                     await to_store.send((index, data))
