@@ -448,7 +448,10 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                 except LookupError as e:  # not held there after all
                     result.failures[name] = str(e)
                     return
-                except (Exception, trio.TooSlowError) as e:
+                except trio.TooSlowError:  # a stalled provider is dropped, as for a chunk
+                    result.failures[name] = f"no answer within {chunk_timeout:g} s"
+                    return
+                except Exception as e:
                     log.info("no bulk lane to %s (%r); the libp2p stream carries the chunks",
                              name, e)
                 if lane is not None or session.stream is not None:
