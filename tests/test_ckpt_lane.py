@@ -6,6 +6,7 @@ without a lane serves on the libp2p stream as before."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -119,7 +120,8 @@ async def glued(lane, env, m, source):  # a header with more behind it in its re
     (oversized, "the manifest says"),
     (wrong_index, "expected chunk"),
     (overrun, "runs past"),
-    (cut_short, "lane closed in the middle of chunk"),
+    # (a reset when our unanswered requests were still in its receive buffer)
+    (cut_short, "lane closed in the middle of chunk|Connection reset by peer"),
     (stall, "no answer within 2 s"),
     (not_held, "not held here"),
     (glued, "one envelope in one record"),
@@ -138,7 +140,7 @@ async def test_a_provider_lying_on_its_lane_is_dropped_and_the_others_finish(
         good = await me.connect(honest.addrs()[0])
         with trio.fail_after(30), pytest.raises(CheckpointError) as failed:
             await ckpt_sync.pull(me, [bad], cid, target, chunk_timeout=2.0)
-        assert why in str(failed.value)
+        assert re.search(why, str(failed.value))
         assert only_verified_chunks(target) == []
         with trio.fail_after(30):
             result = await ckpt_sync.pull(me, [bad, good], cid, target, chunk_timeout=2.0)
@@ -182,22 +184,22 @@ async def test_bad_bytes_on_a_lane_fail_their_hash_and_nothing_unverified_is_kep
     assert torch.equal(target.load(cid)[1]["w"], weights["w"])
 
 
-async def test_a_cut_lane_pull_resumes_from_the_verified_chunks(tmp_path: Path):
+async def test_a_lane_cut_off_after_two_chunks_leaves_them_and_the_next_pull_resumes(
+        tmp_path: Path):
     source, cid, weights = honest_store(tmp_path)
     served = 0
 
-    async def two_then_cut(lane, env, m, source_):
+    async def two_then_silence(lane, env, m, source_):  # the connection goes dead
         nonlocal served
         if served == 2:
-            await lane.close()
-            raise trio.BrokenResourceError("cut")
+            await trio.sleep_forever()
         served += 1
         data = chunk_bytes(source_, m, env)
         await lane.write(cx.chunk_header(env, len(data)))
         await lane.write(data)
 
     cutter, honest, me = (Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(3))
-    cutter.set_handler(cx.PROTOCOL_ID, lane_server(source, cid, two_then_cut))
+    cutter.set_handler(cx.PROTOCOL_ID, lane_server(source, cid, two_then_silence))
     honest.set_handler(cx.PROTOCOL_ID, ckpt_sync.CheckpointServer(source).handle)
     target = CheckpointStore(tmp_path / "me")
     async with trio.open_nursery() as nursery:
@@ -230,7 +232,7 @@ async def test_a_server_without_lanes_serves_on_the_stream_and_refuses_lane_misu
         with trio.fail_after(30):
             result = await ckpt_sync.pull(me, [old], cid, CheckpointStore(tmp_path / "a"))
         assert result.paths == {old.to_base58(): "stream"}
-        assert laneless_server.served == 4 and laneless_server.served_on_lanes == 0
+        assert laneless_server.served == 5 and laneless_server.served_on_lanes == 0  # + manifest
 
         # A lane asker that asks for anything but chunks on the lane loses the lane; the
         # server goes on serving the next asker.
@@ -246,5 +248,8 @@ async def test_a_server_without_lanes_serves_on_the_stream_and_refuses_lane_misu
         with trio.fail_after(30):
             result = await ckpt_sync.pull(me, [peer], cid, CheckpointStore(tmp_path / "b"))
         assert result.paths == {peer.to_base58(): "lane"}
-        assert server.served_on_lanes == 4 and server.lanes_open == 0
+        assert server.served_on_lanes == 4
+        with trio.fail_after(10):  # the server sees our lane close, and frees its slot
+            while server.lanes_open:
+                await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
