@@ -332,6 +332,8 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     if manifest is None:
         raise CheckpointError(f"no provider served checkpoint {cid}:\n  "
                               + "\n  ".join(reasons or ["(no providers)"]))
+    log.info("checkpoint %s: manifest from %s after %.2f s (%d chunks)", cid, peer,
+             time.monotonic() - started, len(manifest.chunks))
     if check is not None:
         check(manifest)
     result = PullResult(manifest)
@@ -462,6 +464,8 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                 await on_stream(session, name)
                 return
             result.paths[name] = "lane"
+            log.info("checkpoint %s: lane to %s open after %.2f s", cid, name,
+                     time.monotonic() - started)
             try:
                 await on_lane(lane, name)
             finally:
@@ -481,4 +485,7 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                               f"be fetched from any provider:{why}")
     store.put_manifest(cid, manifest.encode())
     result.seconds = time.monotonic() - started
+    log.info("checkpoint %s: %d chunks in %.2f s (%s)", cid, total - result.chunks_local,
+             result.seconds, ", ".join(f"{p[:12]}…: {n} on the {result.paths.get(p)}"
+                                       for p, n in result.chunks_by_peer.items()))
     return result
