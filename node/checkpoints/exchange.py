@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,6 +292,7 @@ class PullResult:
     chunks_by_peer: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
     paths: dict[str, str] = field(default_factory=dict)  # peer -> "lane" or "stream"
+    asked: int = 0  # providers asked, the lookup's (more_providers) included
 
     @property
     def fetched_bytes(self) -> int:
@@ -302,17 +303,74 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                *, chunk_timeout: float = 30.0,
                progress: Callable[[int, int], None] = lambda done, total: None,
                check: Callable[[ck.CheckpointManifest], None] | None = None,
-               lanes: bool = True) -> PullResult:
+               lanes: bool = True,
+               more_providers: Callable[[], Awaitable[list[ID]]] | None = None,
+               ) -> PullResult:
     """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
 
     `check` sees the verified manifest before any chunk is fetched and may refuse it by
     raising CheckpointError (`node ckpt pull --run` does, for another run's checkpoint).
     `lanes`: ask each provider for a bulk lane first (else the libp2p stream only).
+    `more_providers`: a lookup (the DHT's) that runs while `providers` are pulled from;
+    the peers it names are used too, as soon as it returns (or first, if none of
+    `providers` serves the manifest). A joiner then does not wait for the lookup when the
+    checkpoint's writer is at hand.
     """
     started = time.monotonic()
-    manifest, reasons = None, []
+    reasons: list[str] = []
     lacking: set[ID] = set()  # said "not held here": no chunk worker for them
-    for peer in providers:
+    providers = list(providers)
+    lookup: list[ID] | None = None  # what more_providers returned, once it has
+    looked_up = trio.Event()
+
+    async def look_up() -> None:
+        nonlocal lookup
+        assert more_providers is not None
+        try:
+            lookup = [p for p in await more_providers() if p not in providers]
+        except Exception as e:  # the pull goes on with the providers it has
+            log.info("checkpoint %s: provider lookup failed (%r)", cid, e)
+            lookup = []
+        looked_up.set()
+
+    result: PullResult | None = None
+    error: Exception | None = None
+    async with trio.open_nursery() as outer:
+        if more_providers is not None:
+            outer.start_soon(look_up)
+        else:
+            looked_up.set()
+        try:
+            result = await _pull(substrate, providers, cid, store, chunk_timeout, progress,
+                                 check, lanes, started, lacking, reasons, looked_up,
+                                 lambda: lookup or [])
+        except Exception as e:  # raised below, plain: not in the nursery's exception group
+            error = e
+        finally:
+            outer.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    assert result is not None
+    return result
+
+
+async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
+                chunk_timeout: float, progress: Callable[[int, int], None],
+                check: Callable[[ck.CheckpointManifest], None] | None, lanes: bool,
+                started: float, lacking: set[ID], reasons: list[str], looked_up: trio.Event,
+                found: Callable[[], list[ID]]) -> PullResult:
+    manifest = None
+    asked: list[ID] = []
+    while manifest is None:
+        todo_peers = [p for p in providers if p not in asked]
+        if not todo_peers:
+            if looked_up.is_set() and not [p for p in found() if p not in asked]:
+                break
+            await looked_up.wait()
+            providers += [p for p in found() if p not in providers]
+            continue
+        peer = todo_peers[0]
+        asked.append(peer)
         session = _Session(substrate, peer)
         try:
             with trio.fail_after(chunk_timeout):
@@ -475,16 +533,28 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
         finally:
             await session.close()
 
+    async def later_providers(nursery: trio.Nursery) -> None:
+        """The lookup's providers join in when it returns, unless we are done by then."""
+        while not looked_up.is_set() and not finished.is_set():
+            with trio.move_on_after(0.2):
+                await looked_up.wait()
+        for peer in found():
+            if peer not in providers and not finished.is_set():
+                providers.append(peer)
+                nursery.start_soon(worker, peer)
+
     async with trio.open_nursery() as nursery:
         for peer in providers:
             if peer not in lacking:
                 nursery.start_soon(worker, peer)
+        nursery.start_soon(later_providers, nursery)
     if remaining:
         why = "".join(f"\n  {p}: {r}" for p, r in sorted(result.failures.items()))
         raise CheckpointError(f"checkpoint {cid}: {len(remaining)} of {total} chunks could not "
                               f"be fetched from any provider:{why}")
     store.put_manifest(cid, manifest.encode())
     result.seconds = time.monotonic() - started
+    result.asked = len(providers)
     log.info("checkpoint %s: %d chunks in %.2f s (%s)", cid, total - result.chunks_local,
              result.seconds, ", ".join(f"{p[:12]}…: {n} on the {result.paths.get(p)}"
                                        for p, n in result.chunks_by_peer.items()))
