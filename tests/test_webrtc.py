@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
 import trio
 from libp2p.peer.id import ID
 

@@ -10,6 +10,7 @@ through a trio token's `run_sync_soon`, never blocking its loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -60,10 +61,8 @@ class AsyncioThread:
 
 def _soon(token: trio.lowlevel.TrioToken, fn: Callable[..., Any], *args: Any) -> None:
     """Hand `fn` to trio from the asyncio thread; dropped if trio's run is over."""
-    try:
+    with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(fn, *args)
-    except trio.RunFinishedError:
-        pass
 
 
 def _log_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
