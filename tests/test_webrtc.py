@@ -4,13 +4,26 @@ the asyncio thread; the STUN codec and responder; the signalling protocol's bad 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+from types import SimpleNamespace
 
+import torch
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from node.averaging.service import Averager
+from node.reach.relays import RelayService
+from node.webrtc import PATH_WEBRTC
 from node.webrtc.bridge import AsyncioThread
+from node.webrtc.service import WebRtcService
 from node.webrtc.session import RtcSession, gather_only
+from p2p.host import Substrate
+from protocols import averaging as av
+from tests.conftest import await_until
+
+NUMEL = 500_000  # 2 MB of fp32 each way
 
 A = ID.from_base58("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo")
 B = ID.from_base58("12D3KooWGzh3wB7XLHMDVHRrS9dphnHxfYaPZfvV8ZDa6nRA4ELt")
@@ -66,3 +79,74 @@ async def test_a_data_channel_between_two_endpoints_on_loopback_carries_a_payloa
             assert await stream.read() == b""
     finally:
         await _close(bridges, a, b)
+
+
+# -- the service on real hosts: a relay between two private nodes ---------------------------
+
+def _node(verdict: str):
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    relay = RelayService(lambda: verdict, want=1, tick_s=0.2, retry_s=600, direct=False)
+    rtc = WebRtcService(lambda: verdict)
+    return sub, relay, rtc
+
+
+async def _relayed_pair(nursery):
+    """R public (relay, STUN); A and B private, connected to each other through R only."""
+    nodes = [_node("public"), _node("private"), _node("private")]
+    for sub, relay, rtc in nodes:
+        await nursery.start(sub.serve)
+        await nursery.start(relay.run, SimpleNamespace(substrate=sub))
+        await nursery.start(rtc.run, SimpleNamespace(substrate=sub))
+    (r, _, rtc_r), (a, relay_a, _), (b, _, _) = nodes
+    for sub in (a, b):
+        await sub.connect(r.addrs()[0])
+    rid = r.peer_id.to_base58()
+    await await_until(lambda: rid in relay_a.held, 30, "A's reservation")
+    relayed = next(x for x in a.addrs() if "/p2p-circuit" in x)
+    await b.connect(relayed, timeout=30)
+    await await_until(lambda: rtc_r.stun.address, 10, "R's STUN responder")
+    return nodes
+
+
+async def test_two_relayed_peers_get_a_webrtc_path_and_average_over_it(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="node.webrtc")
+    caplog.set_level(logging.DEBUG, logger="node.averaging")
+    gather_only(["127.0.0.1"])
+    async with trio.open_nursery() as nursery:
+        (r, _, rtc_r), (a, _, rtc_a), (b, _, rtc_b) = await _relayed_pair(nursery)
+        ids = [a.peer_id.to_base58(), b.peer_id.to_base58()]
+        # the smaller id offers, through the relayed connection; STUN from R
+        await await_until(lambda: all(rtc.paths() for rtc in (rtc_a, rtc_b)), 60,
+                          "a webrtc path on both sides")
+        assert rtc_a.paths() == {ids[1]: PATH_WEBRTC}
+        assert rtc_b.paths() == {ids[0]: PATH_WEBRTC}
+        assert rtc_r.stun.statistics()["answered"] >= 1
+        offerer = rtc_a if ids[0] < ids[1] else rtc_b
+        assert offerer.stun_server == rtc_r.stun.address
+        assert a.peer_paths()[ids[1]].startswith("relayed via")
+
+        # an averaging round over the data channel, both ways
+        subs, rtcs = [a, b], [rtc_a, rtc_b]
+        avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
+                         step_time=lambda: 20.0, inner_steps=1, open_stream=rtc.open_stream)
+                for s, rtc, me, other in zip(subs, rtcs, ids, reversed(ids), strict=True)]
+        for avg, rtc in zip(avgs, rtcs, strict=True):
+            rtc.set_handler(av.PROTOCOL_ID, avg._handle)
+        vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
+        outcomes: list = [None, None]
+
+        async def one(i: int) -> None:
+            outcomes[i] = await avgs[i].exchange(1, vectors[i])
+
+        async with trio.open_nursery() as inner:
+            for i in range(2):
+                inner.start_soon(one, i)
+        for i in range(2):
+            assert torch.equal(outcomes[i].partner_thetas[0], vectors[1 - i]), outcomes[i]
+            stats = avgs[i].partners[ids[1 - i]]
+            assert set(stats.sent) == {"webrtc"} and stats.sent["webrtc"] >= NUMEL * 4
+            assert stats.received["webrtc"] >= NUMEL * 4 and not stats.received["stream"]
+        for sub in (r, a, b):
+            assert sub.handler_errors == 0
+        nursery.cancel_scope.cancel()
+    gather_only(None)
