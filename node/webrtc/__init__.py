@@ -3,3 +3,7 @@ only over UDP (docs/nat.md, "WebRTC")."""
 
 #: The path kind `node status` shows for a peer reached over a WebRTC data channel.
 PATH_WEBRTC = "webrtc"
+
+
+class SessionError(Exception):
+    """A WebRTC session could not be set up or was lost; the message says where."""

@@ -20,14 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
-from aiortc import RTCDataChannel
 from libp2p.peer.id import ID
 
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.bridge import AsyncioThread, _soon
+
+if TYPE_CHECKING:  # aiortc itself is imported by node/webrtc/session.py only
+    from aiortc import RTCDataChannel
 
 MESSAGE_BYTES = 64 * 1024  # what every WebRTC stack accepts (aiortc advertises 256 KiB)
 HIGH_WATER = 4 << 20

@@ -19,10 +19,11 @@ status` shows the peer's path as `webrtc`. A direct path, when one appears, wins
 
 from __future__ import annotations
 
+import importlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
@@ -31,15 +32,17 @@ from libp2p.peer.id import ID
 
 from node.service import NodeContext
 from node.streams import next_event
-from node.webrtc import PATH_WEBRTC
+from node.webrtc import PATH_WEBRTC, SessionError
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.channel import DataChannelStream
-from node.webrtc.session import RtcSession, SessionError, describe, gather_only
 from node.webrtc.stun import StunResponder, find_stun
 from p2p.host import Substrate
 from protocols import webrtc_signal as sig
 from protocols.errors import RemoteProtocolError
 from protocols.wire import Envelope
+
+if TYPE_CHECKING:
+    from node.webrtc.session import RtcSession
 
 log = logging.getLogger("node.webrtc")
 
@@ -78,6 +81,7 @@ class WebRtcService:
         self.bridge: AsyncioThread | None = None
         self._sub: Substrate | None = None
         self._nursery: trio.Nursery | None = None
+        self._rtc: Any = None  # node.webrtc.session, imported when the service starts
 
     def set_handler(self, protocol: str, handler: Handler) -> None:
         """Serve `protocol` on inbound data channels too (the averaging responder)."""
@@ -92,8 +96,11 @@ class WebRtcService:
     async def serve(self, sub: Substrate, *,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._sub, self.me = sub, sub.peer_id.to_base58()
+        # aiortc (and PyAV under it) takes ~1 s to import: in a worker, off the node's start
+        self._rtc = await trio.to_thread.run_sync(importlib.import_module,
+                                                  "node.webrtc.session")
         ip = _listen_ip(sub)
-        gather_only([ip] if ip != "0.0.0.0" else None)
+        self._rtc.gather_only([ip] if ip != "0.0.0.0" else None)
         self.bridge = AsyncioThread()
         try:
             async with trio.open_nursery() as nursery:
@@ -205,7 +212,8 @@ class WebRtcService:
         old = self.sessions.pop(peer, None)
         if old is not None:
             await old.close()
-        session = RtcSession(self.bridge, pid, await self._find_stun(sub), self._on_channel)
+        stun_server = await self._find_stun(sub)
+        session = self._rtc.RtcSession(self.bridge, pid, stun_server, self._on_channel)
         self.sessions[peer] = session
         try:
             offer = await session.offer()
@@ -296,7 +304,7 @@ class WebRtcService:
             old = self.sessions.pop(peer, None)
             if old is not None:  # the peer restarted, or gave up on the last one
                 await old.close()
-            session = RtcSession(self.bridge, stream.muxed_conn.peer_id,
+            session = self._rtc.RtcSession(self.bridge, stream.muxed_conn.peer_id,
                                  await self._find_stun(self._sub), self._on_channel)
             try:
                 answer = await session.answer(offer)
@@ -336,6 +344,13 @@ class WebRtcService:
             return
         log.info("webrtc: session with %s up (%s)", peer, session.pair)
         await self._watch(peer, session)
+
+
+def describe(session: RtcSession) -> dict[str, Any]:
+    return {"state": session.state, "since_unix": round(session.since, 1),
+            "pair": session.pair, "reason": session.reason,
+            "streams_opened": session.streams_opened,
+            "streams_accepted": session.streams_accepted}
 
 
 def _listen_ip(sub: Substrate) -> str:

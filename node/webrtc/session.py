@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aioice.ice
 import trio
@@ -25,6 +24,7 @@ from aiortc import (
 )
 from libp2p.peer.id import ID
 
+from node.webrtc import SessionError
 from node.webrtc.bridge import AsyncioThread, _soon
 from node.webrtc.channel import DataChannelStream
 
@@ -51,10 +51,6 @@ def _get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
 
 
 aioice.ice.get_host_addresses = _get_host_addresses
-
-
-class SessionError(Exception):
-    """The session could not be set up or was lost; the message says where."""
 
 
 class RtcSession:
@@ -208,10 +204,3 @@ class RtcSession:
     async def _close(self) -> None:
         if self._pc is not None:
             await self._pc.close()
-
-
-def describe(session: RtcSession) -> dict[str, Any]:
-    return {"state": session.state, "since_unix": round(session.since, 1),
-            "pair": session.pair, "reason": session.reason,
-            "streams_opened": session.streams_opened,
-            "streams_accepted": session.streams_accepted}
