@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -68,7 +69,7 @@ class StunResponder:
         except RemoteProtocolError:
             self.malformed += 1
             return None
-        second = int(trio.current_time())
+        second = int(time.monotonic())
         if second != self._window:
             self._window, self._in_window = second, 0
         if self._in_window >= MAX_ANSWERS_PER_S:
