@@ -59,6 +59,8 @@ def _sdp(env: Envelope, kind: str) -> str:
         raise RemoteProtocolError(f"{kind}: SDP of {len(sdp.encode())} bytes, over {MAX_SDP}")
     if not sdp.startswith("v=0"):
         raise RemoteProtocolError(f"{kind}: not a session description (no 'v=0')")
+    if "\nm=application " not in sdp:
+        raise RemoteProtocolError(f"{kind}: no data channel section (m=application)")
     return sdp
 
 

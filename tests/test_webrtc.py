@@ -21,6 +21,8 @@ from node.webrtc.service import WebRtcService
 from node.webrtc.session import RtcSession, gather_only
 from p2p.host import Substrate
 from protocols import averaging as av
+from protocols import webrtc_signal as sig
+from protocols.wire import Envelope, encode_envelope
 from tests.conftest import await_until
 
 NUMEL = 500_000  # 2 MB of fp32 each way
@@ -148,5 +150,62 @@ async def test_two_relayed_peers_get_a_webrtc_path_and_average_over_it(caplog) -
             assert stats.received["webrtc"] >= NUMEL * 4 and not stats.received["stream"]
         for sub in (r, a, b):
             assert sub.handler_errors == 0
+        nursery.cancel_scope.cancel()
+    gather_only(None)
+
+
+async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_host_stays_up(
+    caplog,
+) -> None:
+    """Garbage, an SDP over the limit, text that is no session description, and an offer
+    from the side that should answer: each refused and logged; the node answers after."""
+    caplog.set_level(logging.INFO, logger="node.webrtc")
+    gather_only(["127.0.0.1"])
+    subs = sorted((Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)),
+                  key=lambda s: s.peer_id.to_base58())
+    low, target, high = subs  # `low` may offer to `target`, `high` may not
+    rtc = WebRtcService(lambda: "private")
+    async with trio.open_nursery() as nursery:
+        for sub in subs:
+            await nursery.start(sub.serve)
+        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        for sub in (low, high):
+            await sub.connect(target.addrs()[0])
+
+        async def send(sub: Substrate, data: bytes) -> bytes:
+            stream = await sub.open_stream(target.peer_id, sig.PROTOCOL_ID)
+            await stream.write(data)
+            got = b""
+            with trio.fail_after(30):
+                try:
+                    while chunk := await stream.read(65536):
+                        got += chunk
+                except Exception:  # reset by the refusing side
+                    pass
+            await stream.close()
+            return got
+
+        await send(low, b"\x00\x00\x00\x05garbage and more")
+        big = "v=0\r\n" + "a=x\r\n" * 4000
+        await send(low, encode_envelope(Envelope("webrtc.offer", 1, {"sdp": big}),
+                                        max_frame_bytes=1 << 20))
+        await send(low, encode_envelope(Envelope("webrtc.offer", 2, {"sdp": "v=0" + "x" * 100})))
+        await send(low, sig.encode_offer(3, "v=0\r\nno data channel here\r\n"))
+        reply = await send(low, sig.encode_offer(3, "v=0\r\nm=application x\r\n"))
+        assert b"bad-offer" in reply
+        reply = await send(high, sig.encode_offer(4, "v=0\r\nm=application 9 x\r\n"))
+        assert b"the peer with the smaller id offers" in reply
+
+        text = caplog.text
+        assert text.count(f"webrtc: refused an offer from {low.peer_id}") == 5
+        assert "exceeds max_frame_bytes=17408" in text  # the oversized SDP, on its length
+        assert "no data channel section (m=application)" in text
+        assert "cannot answer the offer" in text
+        assert rtc.statistics()["refused"] == 6 and not rtc.sessions
+        # the host is up and answers: a real offer from `low` gets an answer
+        session_svc = WebRtcService(lambda: "private")
+        await nursery.start(session_svc.run, SimpleNamespace(substrate=low))
+        session = await session_svc.connect(target.peer_id.to_base58())
+        assert session.up.is_set()
         nursery.cancel_scope.cancel()
     gather_only(None)

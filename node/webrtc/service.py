@@ -310,7 +310,7 @@ class WebRtcService:
                 answer = await session.answer(offer)
             except SessionError as e:
                 await session.close()
-                await self._refuse(stream, env, "bad-offer", str(e))
+                await self._refuse(stream, env, "bad-offer", str(e), quiet=True)
                 raise RemoteProtocolError(f"webrtc-signal: {e}") from None
             self.sessions[peer] = session
             await stream.write(sig.encode_answer(env.id, answer))
@@ -325,9 +325,12 @@ class WebRtcService:
         finally:
             await _close(stream)
 
-    async def _refuse(self, stream: INetStream, env: Envelope, code: str, why: str) -> None:
-        self.refused += 1
-        log.info("webrtc: refused an offer from %s: %s", stream.muxed_conn.peer_id, why)
+    async def _refuse(self, stream: INetStream, env: Envelope, code: str, why: str,
+                      quiet: bool = False) -> None:
+        """Tell the offerer why not (`quiet`: the caller raises, which logs and counts)."""
+        if not quiet:
+            self.refused += 1
+            log.info("webrtc: refused an offer from %s: %s", stream.muxed_conn.peer_id, why)
         with trio.move_on_after(2):
             await stream.write(sig.encode_error(env.id, code, why))
 

@@ -409,7 +409,8 @@ def seeds(name: str) -> list[bytes]:
         success = stun.encode_success(txid, "198.18.1.2", 4001)
         return [b"\0" + stun.encode_request(txid, stun.CHANGE_IP), b"\1" + success]
     if name == "webrtc_signal":
-        sdp = "v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"
+        sdp = ("v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"
+               "m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n")
         return [b"\0" + webrtc_signal.encode_offer(1, sdp),
                 b"\1" + webrtc_signal.encode_answer(2, sdp),
                 b"\1" + webrtc_signal.encode_error(3, "busy", "16 sessions open")]
