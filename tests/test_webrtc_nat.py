@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from testnet import nat, netns
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, answer, run_cli, status, wait_until
 
 
 @pytest.fixture
@@ -84,3 +84,31 @@ def test_two_symmetric_nat_peers_find_no_ice_pair_and_keep_the_relay(nat_availab
     # ICE gives up (aiortc: "connection failed") or our deadline does, whichever is first
     error = offering[0]["error"] if offering else ""
     assert "no ICE pair within 10 s" in error or "connection failed" in error, results
+
+
+@pytest.mark.slow  # a bootstrap, two home-NAT nodes and a public one: node processes
+def test_two_home_nat_nodes_average_over_webrtc_and_status_shows_the_path(
+    nat_available, testnet_factory
+):
+    net = testnet_factory(3, timeout=180, nat={"node1": "home", "node2": "home"},
+                          neighbours={"node1": ["node2"]})
+    boot, n1, n2, n3 = net.procs
+    ids = {p.name: answer(p)["peer_id"] for p in net.procs}
+    for p, other in ((n1, n2), (n2, n1)):
+        wait_until(lambda p=p, other=other: (status(p).get("webrtc") or {}).get("paths", {})
+                   .get(ids[other.name]) == "webrtc", 240, f"{p.name}'s webrtc path")
+    for p, other in ((n1, n2), (n2, n1)):
+        def over_webrtc(p=p, other=other) -> int:
+            partner = ((status(p).get("averaging") or {}).get("partners") or {}).get(
+                ids[other.name]) or {}
+            return (partner.get("bytes_received") or {}).get("webrtc", 0)
+        wait_until(over_webrtc, 300, f"{p.name} to average with {other.name} over webrtc")
+    st = answer(n1)
+    session = st["webrtc"]["sessions"][ids["node2"]]
+    assert session["state"] == "connected" and "srflx" in session["pair"], session
+    # the STUN server was one of the public nodes, which answered
+    served = sum((answer(p)["webrtc"]["stun"]["answered"]) for p in (boot, n3))
+    assert served >= 1
+    shown = run_cli("status", "--state-dir", str(n1.state_dir))
+    row = next(line for line in shown.stdout.splitlines() if ids["node2"] in line)
+    assert "webrtc" in row, shown.stdout + shown.stderr
