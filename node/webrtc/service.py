@@ -351,6 +351,7 @@ class WebRtcService:
 
 def describe(session: RtcSession) -> dict[str, Any]:
     return {"state": session.state, "since_unix": round(session.since, 1),
+            "setup_s": session.setup_s,
             "pair": session.pair, "reason": session.reason,
             "streams_opened": session.streams_opened,
             "streams_accepted": session.streams_accepted}

@@ -65,6 +65,8 @@ class RtcSession:
         self.state = "new"
         self.reason: str | None = None
         self.since = time.time()
+        self.setup_s: float | None = None  # creation (before the offer) to the channel open
+        self._created = time.monotonic()
         self.pair: str | None = None  # "srflx 198.18.3.2:4001 <-> host 198.19.2.2:5000"
         self.streams_opened = self.streams_accepted = 0
         self._token = trio.lowlevel.current_trio_token()
@@ -122,6 +124,7 @@ class RtcSession:
         if not self.down.is_set():
             self.state = "connected"
             self.since = time.time()
+            self.setup_s = round(time.monotonic() - self._created, 3)
             self.up.set()
 
     def _set_down(self, reason: str) -> None:
