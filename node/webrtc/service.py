@@ -81,7 +81,8 @@ class WebRtcService:
         self.bridge: AsyncioThread | None = None
         self._sub: Substrate | None = None
         self._nursery: trio.Nursery | None = None
-        self._rtc: Any = None  # node.webrtc.session, imported when the service starts
+        self._rtc: Any = None  # node.webrtc.session, imported at the first session
+        self._loading = trio.Lock()
 
     def set_handler(self, protocol: str, handler: Handler) -> None:
         """Serve `protocol` on inbound data channels too (the averaging responder)."""
@@ -96,12 +97,7 @@ class WebRtcService:
     async def serve(self, sub: Substrate, *,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._sub, self.me = sub, sub.peer_id.to_base58()
-        # aiortc (and PyAV under it) takes ~1 s to import: in a worker, off the node's start
-        self._rtc = await trio.to_thread.run_sync(importlib.import_module,
-                                                  "node.webrtc.session")
         ip = _listen_ip(sub)
-        self._rtc.gather_only([ip] if ip != "0.0.0.0" else None)
-        self.bridge = AsyncioThread()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -122,7 +118,22 @@ class WebRtcService:
             with trio.CancelScope(shield=True):
                 for session in list(self.sessions.values()):
                     await session.close()
-                self.bridge.stop()
+                if self.bridge is not None:
+                    self.bridge.stop()
+
+    async def _aiortc(self) -> Any:
+        """node.webrtc.session and the asyncio thread, started at the first session: aiortc
+        (and PyAV under it) takes ~1 s of CPU to import, which a node that never needs a
+        session (most: direct paths) should not pay, least of all while it joins."""
+        async with self._loading:
+            if self._rtc is None:
+                rtc = await trio.to_thread.run_sync(importlib.import_module,
+                                                    "node.webrtc.session")
+                ip = _listen_ip(self._sub) if self._sub is not None else "0.0.0.0"
+                rtc.gather_only([ip] if ip != "0.0.0.0" else None)
+                self.bridge = AsyncioThread()
+                self._rtc = rtc
+        return self._rtc
 
     def statistics(self) -> dict[str, Any]:
         return {"paths": self.paths(),
@@ -207,13 +218,14 @@ class WebRtcService:
 
     async def connect(self, peer: str) -> RtcSession:
         """Offer a session to `peer` and wait until it is up (SessionError if not)."""
-        assert self._sub is not None and self.bridge is not None
+        assert self._sub is not None
+        rtc = await self._aiortc()
         sub, pid = self._sub, ID.from_base58(peer)
         old = self.sessions.pop(peer, None)
         if old is not None:
             await old.close()
         stun_server = await self._find_stun(sub)
-        session = self._rtc.RtcSession(self.bridge, pid, stun_server, self._on_channel)
+        session = rtc.RtcSession(self.bridge, pid, stun_server, self._on_channel)
         self.sessions[peer] = session
         try:
             offer = await session.offer()
@@ -286,7 +298,6 @@ class WebRtcService:
     # -- answering --------------------------------------------------------------------
 
     async def _handle_signal(self, stream: INetStream) -> None:
-        assert self.bridge is not None
         peer = stream.muxed_conn.peer_id.to_base58()
         env: Any = None
         try:
@@ -304,7 +315,8 @@ class WebRtcService:
             old = self.sessions.pop(peer, None)
             if old is not None:  # the peer restarted, or gave up on the last one
                 await old.close()
-            session = self._rtc.RtcSession(self.bridge, stream.muxed_conn.peer_id,
+            rtc = await self._aiortc()
+            session = rtc.RtcSession(self.bridge, stream.muxed_conn.peer_id,
                                  await self._find_stun(self._sub), self._on_channel)
             try:
                 answer = await session.answer(offer)
