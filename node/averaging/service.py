@@ -253,7 +253,9 @@ class Averager:
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
         stream = await self.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
-            lanes = (av.LANE_TCP,) if self._lane_for(partner) else ()
+            # never a lane beside a data channel: it has no address to dial
+            lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \
+                else ()
             ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs,
                              lanes=lanes)
             await stream.write(ex.initiate())
