@@ -26,9 +26,12 @@ def nat_available() -> None:
         pytest.skip(reason)
 
 
-def _run_pair(tmp_path: Path, kind: str, mb: int, ice_timeout: float) -> dict[str, dict]:
+def _run_pair(tmp_path: Path, kind: str, mb: int, ice_timeout: float,
+              rate: str | None = None, rtt_ms: float | None = None) -> dict[str, dict]:
+    """Run the three peers (also the measurement: /tmp scripts call it with a rate)."""
     tag = netns.tag_for(str(tmp_path))
-    topo = nat.create(tag, ["pub", "a", "b"], {"a": kind, "b": kind}, workdir=str(tmp_path))
+    topo = nat.create(tag, ["pub", "a", "b"], {"a": kind, "b": kind}, workdir=str(tmp_path),
+                      rate=rate, rtt_ms=rtt_ms)
     procs: list[subprocess.Popen] = []
     try:
         def peer(name: str, *extra: str) -> None:
