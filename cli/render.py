@@ -45,7 +45,8 @@ def node_status_table(st: dict[str, Any]) -> Group:
             head.add_row("error", Text(t["error"], "red"))
     live = _peers(st)
     peers = Table(title=f"{len(live)} live peers", title_justify="left")
-    paths = relay.get("paths") or {}
+    # a WebRTC data channel (node/webrtc/) replaces a relayed path for our streams
+    paths = {**(relay.get("paths") or {}), **((st.get("webrtc") or {}).get("paths") or {})}
     for col in ("peer", "last seen", "device", "path", "addrs"):
         peers.add_column(col)
     for p in live:

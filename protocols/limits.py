@@ -106,6 +106,7 @@ DECLARATIONS: Final = (
     ("protocols.history", "LIMITS"),
     ("protocols.heartbeat", "LIMITS"),
     ("protocols.records", "LIMITS"),
+    ("protocols.webrtc_signal", "LIMITS"),
 )
 
 
