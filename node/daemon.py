@@ -260,7 +260,7 @@ class Node:
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
                 open_stream=self.webrtc.open_stream)
-            self.webrtc.set_handler(av_protocol, averager._handle)
+            self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
         services.append(TrainingService(
             lambda: build_training(m, ctx.peer_id, ctx.device, config.data,

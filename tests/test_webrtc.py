@@ -133,7 +133,7 @@ async def test_two_relayed_peers_get_a_webrtc_path_and_average_over_it(caplog) -
                          step_time=lambda: 20.0, inner_steps=1, open_stream=rtc.open_stream)
                 for s, rtc, me, other in zip(subs, rtcs, ids, reversed(ids), strict=True)]
         for avg, rtc in zip(avgs, rtcs, strict=True):
-            rtc.set_handler(av.PROTOCOL_ID, avg._handle)
+            rtc.set_handler(av.PROTOCOL_ID, avg.handle)
         vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
         outcomes: list = [None, None]
 

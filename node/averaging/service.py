@@ -112,7 +112,7 @@ class Averager:
         self.open_stream = open_stream or substrate.open_stream
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         self._nursery: trio.Nursery | None = None
-        substrate.set_handler(PROTOCOL_ID, self._handle)
+        substrate.set_handler(PROTOCOL_ID, self.handle)
 
     async def run(self, ctx: object = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -282,7 +282,7 @@ class Averager:
 
     # -- the responder's side ---------------------------------------------------------
 
-    async def _handle(self, stream: INetStream) -> None:
+    async def handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
             await self._respond(stream, peer)
