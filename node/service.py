@@ -71,6 +71,8 @@ class RunContext:
     # The trainer thread's outer optimizer, once built (SybilWall's history table lives in
     # its aggregator); None before that and on nodes that do not train.
     outer: Any = None
+    # The pipeline stage this node hosts (pipeline runs: node/pipe/service.py); None else.
+    stage: int | None = None
 
 
 @dataclass
@@ -97,7 +99,7 @@ class NodeContext:
         stats: dict[str, Any] = {"uptime": round(time.monotonic() - self.phases.started, 1)}
         if self.run is not None:
             p = self.run.progress
-            stats.update(step=p.step, loss=p.loss, val=p.val_loss)
+            stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage)
         return {k: v for k, v in stats.items() if v is not None}
 
     def the_run(self) -> RunContext:

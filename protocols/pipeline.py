@@ -3,8 +3,11 @@
 One stream per (sender, receiver) pair carries a sequence of messages, each a wire
 envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
 
-    pipe.act  {run, stage, step, mb, shape, dtype}   then tensor frame "x"
-    pipe.grad {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+    pipe.act   {run, stage, step, mb, shape, dtype}   then tensor frame "x"
+    pipe.grad  {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+    pipe.tgt   (first -> last stage) a micro-batch's target token ids, int64 [b, seq, 1]
+    pipe.tgrad (last -> first) the tied head's gradient, [1, vocab, d_model], mb 0
+    pipe.tied  (first -> last) the updated tied matrix for `step`, [1, vocab, d_model]
 
 `stage` is the stage the tensor is *for* (the receiver's): activations come from stage - 1,
 gradients from stage + 1. `step` and `mb` (micro-batch) name the micro-batch, so the
@@ -60,10 +63,13 @@ MAX_STEP: Final = 2**62
 MAX_MICRO_BATCHES: Final = 4096  # as the manifest allows
 RUN_ID_MAX: Final = 64
 
-Kind = Literal["act", "grad"]
-_TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad"}
+Kind = Literal["act", "grad", "tgt", "tgrad", "tied"]
+_TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad", "tgt": "pipe.tgt",
+                 "tgrad": "pipe.tgrad", "tied": "pipe.tied"}
 _KINDS: Final = {v: k for k, v in _TYPES.items()}
-_NAMES: Final = {"act": "x", "grad": "g"}
+_NAMES: Final = {"act": "x", "grad": "g", "tgt": "y", "tgrad": "tg", "tied": "w"}
+TARGET_DTYPE: Final = "int64"
+ALL_KINDS: Final = frozenset(_TYPES)
 _BODY_KEYS: Final = frozenset({"run", "stage", "step", "mb", "shape", "dtype"})
 
 #: The ceilings of a pipe stream; a receiver narrows the tensor bound to its Expect.
@@ -87,9 +93,10 @@ class Expect:
     max_seq: int  # the model's context
     micro_batches: int
     kinds: frozenset[str] = frozenset({"act", "grad"})
+    vocab: int = 256  # the tied matrix is [1, vocab, d_model]; targets are < vocab
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "max_batch", "max_seq", "micro_batches"):
+        for name in ("d_model", "max_batch", "max_seq", "micro_batches", "vocab"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise LocalProtocolError(f"Expect.{name} must be an int >= 1")
         if type(self.stage) is not int or self.stage < 0:
@@ -100,7 +107,15 @@ class Expect:
 
     @property
     def max_bytes(self) -> int:
-        return self.max_batch * self.max_seq * self.d_model * 2  # bfloat16
+        """The largest tensor of the kinds this stage accepts."""
+        sizes = [0]
+        if self.kinds & {"act", "grad"}:
+            sizes.append(self.max_batch * self.max_seq * self.d_model * 2)  # bfloat16
+        if "tgt" in self.kinds:
+            sizes.append(self.max_batch * self.max_seq * 8)  # int64
+        if self.kinds & {"tgrad", "tied"}:
+            sizes.append(self.vocab * self.d_model * 2)
+        return max(sizes)
 
     def limits(self) -> StreamLimits:
         return replace(LIMITS, max_tensor_bytes=self.max_bytes)
@@ -118,7 +133,9 @@ class MessageHeader:
 
 @dataclass(frozen=True, slots=True)
 class TensorReceived:
-    """A micro-batch's activations (kind "act") or gradients ("grad"), fp32, checked."""
+    """A micro-batch's activations (kind "act") or gradients ("grad"), fp32, checked;
+    targets ("tgt") as int64 (batch, seq) within the vocabulary; the tied matrix or its
+    gradient ("tied", "tgrad") as fp32 (vocab, d_model)."""
 
     header: MessageHeader
     tensor: torch.Tensor
@@ -138,14 +155,21 @@ Event = TensorReceived | Refused
 
 def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor
            ) -> list[bytes | memoryview]:
-    """The gather list for one message: the tensor is cast to bfloat16 (a copy) first."""
+    """The gather list for one message: the tensor is cast to bfloat16 (a copy) first;
+    targets ("tgt": token ids (batch, seq)) travel as int64 (batch, seq, 1), the tied
+    matrix and its gradient (vocab, d_model) as (1, vocab, d_model)."""
     import torch
 
     if kind not in _TYPES:
-        raise LocalProtocolError(f"kind must be 'act' or 'grad', not {kind!r}")
+        raise LocalProtocolError(f"kind must be one of {sorted(_TYPES)}, not {kind!r}")
+    if kind == "tgt" and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(-1)
+    if kind in ("tgrad", "tied") and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(0)
     if tensor.dim() != 3:
         raise LocalProtocolError(f"tensor must be (batch, seq, d_model), got {tuple(tensor.shape)}")
-    wire = tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    dt = torch.int64 if kind == "tgt" else torch.bfloat16
+    wire = tensor.detach().to(device="cpu", dtype=dt).contiguous()
     dtype, shape, view = tensor_payload(wire)
     body = {"run": run, "stage": stage, "step": step, "mb": mb, "shape": list(shape),
             "dtype": dtype}
@@ -173,6 +197,12 @@ class PipeReceiver:
         self._decoder = expect.limits().decoder(payload_buffer=self._check_tensor_header)
         self.received = 0
         self.refused = 0
+
+    @property
+    def between_messages(self) -> bool:
+        """No part of a message is buffered: a stream that ends here ended cleanly."""
+        d = self._decoder
+        return self.state is State.HEADER and not d._buffer and d._payload is None
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._alive()
@@ -226,13 +256,22 @@ class PipeReceiver:
         if body["mb"] >= e.micro_batches:
             return f"micro-batch {body['mb']} >= the run's {e.micro_batches} per step"
         b, t, d = body["shape"]
-        if d != e.d_model:
+        if kind in ("tgrad", "tied"):
+            if [b, t, d] != [1, e.vocab, e.d_model]:
+                return (f"shape {body['shape']}: the tied matrix is "
+                        f"{[1, e.vocab, e.d_model]}")
+        elif kind == "tgt":
+            if d != 1:
+                return f"shape {body['shape']}: targets are [batch, seq, 1]"
+        elif d != e.d_model:
             return f"shape {body['shape']}: d_model {d} is not the model's {e.d_model}"
-        if not (1 <= b <= e.max_batch and 1 <= t <= e.max_seq):
+        if kind not in ("tgrad", "tied") and not (1 <= b <= e.max_batch
+                                                 and 1 <= t <= e.max_seq):
             return (f"shape {body['shape']}: batch must be 1..{e.max_batch} and sequence "
                     f"1..{e.max_seq}")
-        if body["dtype"] != WIRE_DTYPE:
-            return f"dtype {_short(body['dtype'])}: the wire carries {WIRE_DTYPE}"
+        want = _dtype(kind)
+        if body["dtype"] != want:
+            return f"dtype {_short(body['dtype'])}: the wire carries {want} for {kind}"
         return None
 
     def _check_tensor_header(self, header: TensorHeader) -> None:
@@ -243,15 +282,17 @@ class PipeReceiver:
         if header.name != _NAMES[p.kind]:
             raise RemoteProtocolError(f"tensor {_short(header.name)} where "
                                       f"{_NAMES[p.kind]!r} was announced")
-        if header.dtype != WIRE_DTYPE or header.codec != CODEC:
+        want = _dtype(p.kind)
+        if header.dtype != want or header.codec != CODEC:
             raise RemoteProtocolError(f"tensor is {_short(header.dtype)}/{_short(header.codec)}"
-                                      f", announced {WIRE_DTYPE}/{CODEC}")
+                                      f", announced {want}/{CODEC}")
         if tuple(header.shape) != p.shape:
             raise RemoteProtocolError(f"tensor shape {list(header.shape)} is not the announced "
                                       f"{list(p.shape)}")
-        if header.length != math.prod(p.shape) * 2:
+        size = 8 if want == TARGET_DTYPE else 2
+        if header.length != math.prod(p.shape) * size:
             raise RemoteProtocolError(f"tensor of {header.length} bytes; {list(p.shape)} "
-                                      f"{WIRE_DTYPE} is {math.prod(p.shape) * 2}")
+                                      f"{want} is {math.prod(p.shape) * size}")
         return None
 
     def _on_tensor(self, frame: TensorFrame) -> Event:
@@ -262,14 +303,29 @@ class PipeReceiver:
             raise RemoteProtocolError(f"tensor frame id {frame.id} is not micro-batch {p.mb}")
         self._pending = None
         self.state = State.HEADER
-        tensor = tensor_from_payload(frame.header, frame.payload).float()
+        tensor = tensor_from_payload(frame.header, frame.payload)
         import torch
 
+        if p.kind == "tgt":
+            tensor = tensor.squeeze(-1)
+            if tensor.numel() and not bool(((tensor >= 0) & (tensor < self.expect.vocab)).all()):
+                self.refused += 1
+                return Refused(p, f"targets of step {p.step} micro-batch {p.mb} fall outside "
+                                  f"the vocabulary 0..{self.expect.vocab - 1}")
+            self.received += 1
+            return TensorReceived(p, tensor)
+        tensor = tensor.float()
+        if p.kind in ("tgrad", "tied"):
+            tensor = tensor.squeeze(0)
         if not bool(torch.isfinite(tensor).all()):
             self.refused += 1
             return Refused(p, f"{p.kind} of step {p.step} micro-batch {p.mb} holds NaN or inf")
         self.received += 1
         return TensorReceived(p, tensor)
+
+
+def _dtype(kind: str) -> str:
+    return TARGET_DTYPE if kind == "tgt" else WIRE_DTYPE
 
 
 def _body_problem(body: Any) -> str | None:

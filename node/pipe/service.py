@@ -1,0 +1,370 @@
+"""The pipeline service: this node hosts one stage of a pipeline run (docs/pipeline.md).
+
+On start it picks its stage from the live membership (placement.py: the stage with the
+fewest live hosts, ties to the lowest), writes it in its own namespace of the run
+document (`peer/<id>/stage`) and in its heartbeats (so every view has it within a
+second), and keeps the choice in line with membership: until training starts, nodes
+that joined together move apart (placement.rebalance). Training starts once every stage
+has a host, the replicas are balanced and the map has been stable for SETTLE_S; then the
+stage's worker (worker.py) runs in the trainer thread, torch's own, and this service
+carries its messages on `/peertrain/pipe/1.0.0` (links.py) on the trio thread.
+
+Routing: replicas are numbered by sorted peer id (placement.next_replica). Activations
+go to the next stage's replica the seeded route names, targets straight to the last
+stage replica the micro-batch will reach, gradients back to whoever sent the
+activations, the head gradient from the last stage to every first-stage host, the tied
+matrix from first-stage replica r to the last-stage replicas q with q % R0 == r.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node.pipe import placement
+from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
+from protocols import manifest as mf
+from protocols import pipeline as pipe
+
+if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+
+    from node.service import NodeContext
+    from node.training.rounds import TrainingStats
+
+log = logging.getLogger("node.pipeline")
+
+SETTLE_S = 3.0  # the stage map must hold this long before training starts
+FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
+JOIN_TIMEOUT_S = 30.0
+
+
+class PipelineService:
+    name = "pipeline"
+    protocols = (pipe.PROTOCOL_ID,)
+
+    def __init__(self, manifest: mf.Manifest, run_id: str, progress: TrainingStats,
+                 data: list[str] | None = None, device: str = "cpu") -> None:
+        p = manifest.pipeline
+        if p is None:
+            raise ValueError("not a pipeline run")
+        self.m = manifest
+        self.run_id = run_id
+        self.progress = progress
+        self.data = data
+        self.device = device
+        self.n = p.stages
+        self.M = p.micro_batches
+        self.layers = mf.stage_layers(manifest.model.n_layers, p.stages, tuple(p.layers))
+        self.stage: int | None = None
+        self.moves = 0
+        self.phase = "choosing a stage"
+        self.training = False
+        self.inbox = Inbox(capacity=4 * self.M + 8)
+        self.counters: Counter[str] = Counter()
+        self.outbox: Outbox | None = None
+        self.worker: Any = None
+        self._ctx: NodeContext | None = None
+        self._stop = threading.Event()
+
+    # -- the stage map -------------------------------------------------------------------
+
+    def hosts(self) -> dict[str, int]:
+        """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
+        ctx = self._ctx
+        assert ctx is not None
+        doc = ctx.run.document if ctx.run else None
+        out: dict[str, int] = {}
+        for e in ctx.membership.live():
+            if e.info.get("role") != "node" or e.peer_id == ctx.peer_id:
+                continue
+            s = (e.info.get("stats") or {}).get("stage")
+            if type(s) is not int and doc is not None:
+                s = doc.get(f"peer/{e.peer_id}/stage")
+            if type(s) is int and 0 <= s < self.n:
+                out[e.peer_id] = s
+        if self.stage is not None:
+            out[ctx.peer_id] = self.stage
+        return out
+
+    def stage_map(self) -> list[list[str]]:
+        return placement.stage_map(self.hosts(), self.n)
+
+    def claim(self, peer: str, kind: str) -> str | None:
+        """Why `peer` may not send `kind` to our stage (None: it may)."""
+        s = self.stage
+        assert s is not None
+        sender = {"act": s - 1, "grad": s + 1, "tgt": 0, "tied": 0,
+                  "tgrad": self.n - 1}.get(kind, -1)
+        if 0 <= sender < self.n and peer in self.stage_map()[sender]:
+            return None
+        return f"{kind} for stage {s} from {peer}, which does not host stage {sender}"
+
+    def _set_stage(self, stage: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None and ctx.run is not None
+        if self.stage is not None and stage != self.stage:
+            self.moves += 1
+            log.info("pipeline: moving from stage %d to stage %d", self.stage, stage)
+        else:
+            log.info("pipeline: hosting stage %d of %d", stage, self.n)
+        self.stage = stage
+        ctx.run.stage = stage  # heartbeats and the run document's stats carry it
+        from node.run.rundoc_sync import now_ms, topic
+
+        doc = ctx.run.document
+        key = f"peer/{ctx.peer_id}/stage"
+        doc.set(key, stage, now_ms())
+        entry = doc.entry(key)
+        if entry is not None:
+            ctx.publisher.publish_nowait(topic(self.run_id), doc.encode_delta([entry]))
+
+    # -- the service ---------------------------------------------------------------------
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._ctx = ctx
+        self.outbox = Outbox(ctx.substrate, self.run_id, capacity=4 * self.M + 8,
+                             on_lost=self._on_lost)
+        ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.outbox.run)
+            with trio.move_on_after(FIRST_VIEW_S):
+                while ctx.membership.first_peer_after_s is None:
+                    await trio.sleep(0.1)
+            self._set_stage(placement.choose(self.hosts(), self.n))
+            nursery.start_soon(self._follow_membership, ctx)
+            task_status.started()
+            await self._wait_to_start(ctx)
+            try:
+                await self._train()
+            except Exception as e:
+                from node.errors import TrainingFailed
+
+                log.error("pipeline stopped: %s: %s", type(e).__name__, e)
+                raise TrainingFailed(f"pipeline stopped: {type(e).__name__}: {e}") from e
+            nursery.cancel_scope.cancel()
+
+    async def _follow_membership(self, ctx: NodeContext) -> None:
+        """Keep the stage choice in line with the live view (placement.rebalance)."""
+        warned: set[int] = set()
+        while True:
+            await trio.sleep(ctx.config.heartbeat_s)
+            move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
+                                       training=self.training)
+            if move is None:
+                continue
+            if not self.training:
+                self._set_stage(move)
+            elif move not in warned:  # CheckFree's takeover is not live yet
+                warned.add(move)
+                log.warning("pipeline: stage %d has no live host; this node would take it "
+                            "over, but live recovery is not built yet", move)
+
+    async def _wait_to_start(self, ctx: NodeContext) -> None:
+        self.phase = "waiting for stages"
+        self.progress.phase = "waiting for stages"
+        stable_since, last = time.monotonic(), None
+        while True:
+            smap = self.stage_map()
+            if smap != last:
+                stable_since, last = time.monotonic(), smap
+            if (placement.complete(smap) and placement.balanced(smap)
+                    and time.monotonic() - stable_since >= SETTLE_S):
+                break
+            await trio.sleep(0.2)
+        self.training = True
+        self.phase = "training"
+        log.info("pipeline: training stage %d; map %s", self.stage,
+                 {s: [p[-6:] for p in row] for s, row in enumerate(smap)})
+
+    async def _train(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        failure: list[BaseException] = []
+        done = trio.Event()
+
+        def post(to: tuple, kind: str, stage: int, step: int, mb: int, tensor: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
+                trio.from_thread.run_sync(self._dispatch, to, Outgoing(
+                    kind, stage, step, mb, tensor), trio_token=token)  # type: ignore[arg-type]
+
+        def main() -> None:
+            from node.training.service import _lower_priority
+
+            _lower_priority()
+            try:
+                self.worker = self._build_worker(post)
+                self.worker.run()
+            except BaseException as e:
+                self.progress.phase = "failed"
+                self.progress.error = f"{type(e).__name__}: {e}"
+                failure.append(e)
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    trio.from_thread.run_sync(done.set, trio_token=token)
+
+        thread = threading.Thread(target=main, daemon=True, name="peertrain-stage")
+        thread.start()
+        try:
+            await done.wait()
+        finally:
+            self._stop.set()
+            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
+                waited.shield = True
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+        if failure:
+            raise failure[0]
+
+    def _build_worker(self, post: Any) -> Any:
+        """In the trainer thread: the stage from the run's seed, its runner, its data."""
+        import torch
+
+        from node.pipe.worker import StageWorker
+        from node.pipeline.runner import StageOptim, StageRunner
+        from node.pipeline.stages import build_stages
+        from node.trainer.models import GPTConfig
+
+        m, s = self.m, self.stage
+        assert s is not None
+        torch.set_num_threads(m.train.threads)
+        config = GPTConfig(d_model=m.model.d_model, n_layers=m.model.n_layers,
+                           n_heads=m.model.n_heads, context=m.model.context)
+        stages = build_stages(config, self.layers, m.run.seed)
+        stage = stages[s]
+        if stage.is_last and not stage.is_first:
+            stage.set_tied(stages[0].wte.weight)
+        stage.to(self.device)
+        runner = StageRunner(stage, StageOptim(lr=m.train.lr, grad_clip=m.train.grad_clip),
+                             max_in_flight=2 * self.M)
+        self.progress.params = sum(p.numel() for p in stage.parameters())
+        batches = None
+        if s == 0:
+            batches = self._batches()
+        return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
+                           progress=self.progress, batches=batches,
+                           ready=lambda: placement.complete(self.stage_map()),
+                           device=self.device)
+
+    def _batches(self) -> Any:
+        import torch
+
+        from node.trainer.tasks import TaskConfig, build_task
+        from node.training.build import replica_index
+
+        m = self.m
+        ctx = self._ctx
+        assert ctx is not None
+        files = tuple(self.data) if self.data else (
+            tuple(m.data.paths) if m.data.source == "files" else ())
+        task = build_task(TaskConfig(
+            name=m.model.task, d_model=m.model.d_model, n_layers=m.model.n_layers,
+            n_heads=m.model.n_heads, context=m.model.context, data_files=files,
+            data_format=m.data.format, jsonl_field=m.data.jsonl_field,
+            val_fraction=m.data.val_fraction))
+        gen = torch.Generator().manual_seed(m.run.seed * 1_000_003 + replica_index(ctx.peer_id))
+        return lambda: task.train_batch(m.train.batch_size, gen)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _dispatch(self, to: tuple, msg: Outgoing) -> None:
+        """Trio thread: pick the peer(s) for one of the worker's messages and queue it."""
+        ctx, outbox = self._ctx, self.outbox
+        assert ctx is not None and outbox is not None and self.stage is not None
+        smap = self.stage_map()
+        counts = [len(row) for row in smap]
+        me = ctx.peer_id
+        r = smap[self.stage].index(me) if me in smap[self.stage] else 0
+        p = self.m.pipeline
+        assert p is not None
+        peers: list[str] = []
+        try:
+            if to[0] == "peer":
+                peers = [to[1]]
+            elif to[0] == "next":
+                q = placement.next_replica(self.m.run.seed, to[1], to[2], self.stage, r,
+                                           counts, p.routing)
+                peers = [smap[self.stage + 1][q]]
+            elif to[0] == "last":
+                q = placement.last_replica(self.m.run.seed, to[1], to[2], r, counts, p.routing)
+                peers = [smap[-1][q]]
+            elif to[0] == "stage":
+                row = smap[to[1]]
+                if msg.kind == "tied":  # first-stage replica r feeds last replicas r mod R0
+                    peers = [q for i, q in enumerate(row) if i % max(1, counts[0]) == r]
+                else:
+                    peers = list(row)
+        except (IndexError, ZeroDivisionError):
+            peers = []
+        if not peers:
+            self._on_lost(msg, f"no live host for {msg.kind} to stage {msg.stage}")
+            return
+        for peer in peers:
+            outbox.send(peer, msg)
+
+    def _on_lost(self, msg: Outgoing, reason: str) -> None:
+        self.counters[f"lost {msg.kind}"] += 1
+        if msg.kind in ("act", "tgt"):  # our micro-batch will not come back
+            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason))
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            if not self.training or self.stage is None:
+                self.counters["refused: not training"] += 1
+                return
+            await serve_stream(stream, peer, self._expect(), self.claim, self.inbox,
+                               self.counters)
+        finally:
+            try:
+                with trio.move_on_after(2):
+                    await stream.close()
+            except Exception:
+                pass
+
+    def _expect(self) -> pipe.Expect:
+        s = self.stage
+        assert s is not None
+        kinds = {"act", "grad"}
+        if s == 0:
+            kinds = {"grad", "tgrad"}
+        elif s == self.n - 1:
+            kinds = {"act", "tgt", "tied"}
+        m = self.m
+        return pipe.Expect(self.run_id, s, m.model.d_model, m.train.batch_size // self.M,
+                           m.model.context, self.M, frozenset(kinds))
+
+    # -- status --------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        if self._ctx is None:
+            return {"phase": "starting"}
+        smap = self.stage_map()
+        out = self.outbox.counters if self.outbox else Counter()
+        sent = {k: out.get(f"sent {k}", 0) for k in ("act", "grad", "tgt", "tied", "tgrad")}
+        per_mb = {k: round(out.get(f"sent bytes {k}", 0) / sent[k]) for k in ("act", "grad")
+                  if sent[k]}
+        return {
+            "phase": self.phase,
+            "stage": self.stage,
+            "stages": self.n,
+            "layers": list(self.layers),
+            "micro_batches_per_step": self.M,
+            "moves": self.moves,
+            "map": {str(s): row for s, row in enumerate(smap)},
+            "training": self.progress.snapshot(),
+            "worker": self.worker.stats.snapshot() if self.worker else None,
+            "sent": sent,
+            "bytes_per_micro_batch": per_mb,
+            "received": {k: v for k, v in self.counters.items() if k.startswith("received")},
+            "refused": {**{k: v for k, v in self.counters.items()
+                           if k.startswith(("refused", "lost"))},
+                        **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
+            "queued": self.inbox.qsize(),
+            "outbox": self.outbox.statistics() if self.outbox else {},
+        }
