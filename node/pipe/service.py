@@ -249,7 +249,13 @@ class PipelineService:
         return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
-                           device=self.device)
+                           device=self.device, first_step=self._swarm_step())
+
+    def _swarm_step(self) -> int:
+        """Where a stage that starts late starts counting: the swarm's step (a driver that
+        started at 0 would send micro-batches every other stage refuses as stale)."""
+        assert self._ctx is not None
+        return self._ctx.membership.swarm_step()
 
     def _batches(self) -> Any:
         import torch

@@ -89,14 +89,17 @@ class StageWorker:
     # -- common ---------------------------------------------------------------------------
 
     def wait_s(self) -> float:
-        if self.stats.steps == 0:
+        if self.stats.step_s == 0:
             return FIRST_WAIT_S
         return max(MIN_WAIT_S, 4 * self.stats.step_s)
 
-    def _timed(self, t0: float) -> None:
+    def _timed(self, t0: float, whole: bool) -> None:
+        """Count a step; only a whole one (every micro-batch back) is timed: a step cut
+        short by the deadline would stretch the deadline it is measured against."""
         dt = time.monotonic() - t0
         st = self.stats
-        st.step_s = dt if st.steps == 0 else 0.7 * st.step_s + 0.3 * dt
+        if whole:
+            st.step_s = dt if st.step_s == 0 else 0.7 * st.step_s + 0.3 * dt
         st.steps += 1
         self.progress.compute_s += dt
 
@@ -141,7 +144,9 @@ class StageWorker:
         need_tied = True
         done = 0
         deadline = t0 + self.wait_s()
-        while (pending or need_tied) and not self.stop.is_set():
+        lost = 0
+        # the head gradient comes when the last stage has all M micro-batches: not after a loss
+        while (pending or (need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -156,6 +161,7 @@ class StageWorker:
                     pending.discard(item.mb)
                     r.drop(item.mb)
                     self._lost(item.reason)
+                    lost += 1
                 continue
             if item.kind == "grad" and item.mb in pending:
                 r.backward(item.mb, self._dev(item.tensor))
@@ -177,7 +183,7 @@ class StageWorker:
                   r.stage.wte.weight.detach())
         self.step = t + 1
         self.progress.step = self.step
-        self._timed(t0)
+        self._timed(t0, whole=done == self.M and not need_tied)
 
     # -- the other stages ----------------------------------------------------------------
 
@@ -204,7 +210,7 @@ class StageWorker:
                     self.post(("stage", 0), "tgrad", 0, cur, 0, r.stage.tied_grad().detach())
                     r.stage.tied.grad = None
                 r.step()
-                self._timed(t_start)
+                self._timed(t_start, whole=done == self.M)
                 if losses:
                     self.progress.loss = round(sum(losses) / len(losses), 4)
             r.optimizer.zero_grad(set_to_none=True)
