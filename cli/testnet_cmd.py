@@ -444,3 +444,26 @@ def heal(directory: Dir = None) -> None:
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
     err.print("healed: every node can reach every other again")
+
+
+@app.command("kill-stage")
+def kill_stage(
+    stage: Annotated[int, typer.Argument(help="The pipeline stage whose every host dies.")],
+    directory: Dir = None,
+    no_replace: Annotated[bool, typer.Option(
+        "--no-replace", help="Start no replacement node (the stage stays lost).")] = False,
+    as_json: Json = False,
+) -> None:
+    """SIGKILL every host of a stage of a `--scenario pipeline` testnet, then start a
+    replacement node that takes the stage and rebuilds it from its neighbours (CheckFree),
+    with no human step (docs/pipeline.md)."""
+    net = _load(directory or launcher.default_dir())
+    try:
+        killed, new = launcher.kill_stage(net, stage, replace=not no_replace)
+    except launcher.TestnetError as e:
+        raise fail(str(e)) from None
+    if as_json:
+        print_json({"stage": stage, "killed": killed, "replacement": new})
+        return
+    err.print(f"killed stage {stage}: {' '.join(killed)}"
+              + (f"; {new} joins to recover it" if new else ""), markup=False)

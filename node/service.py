@@ -73,6 +73,7 @@ class RunContext:
     outer: Any = None
     # The pipeline stage this node hosts (pipeline runs: node/pipe/service.py); None else.
     stage: int | None = None
+    stage_training: bool = False  # its worker runs (placement moves others first)
 
 
 @dataclass
@@ -99,7 +100,10 @@ class NodeContext:
         stats: dict[str, Any] = {"uptime": round(time.monotonic() - self.phases.started, 1)}
         if self.run is not None:
             p = self.run.progress
-            stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage)
+            stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
+                         gnorm=p.grad_norm)  # CheckFree weighs a lost stage's neighbours by it
+            if self.run.stage_training:
+                stats["staged"] = 1
         return {k: v for k, v in stats.items() if v is not None}
 
     def the_run(self) -> RunContext:

@@ -78,7 +78,7 @@ LIMITS: Final = StreamLimits(
     MAX_ENVELOPE_BYTES,
     MAX_TENSOR_BYTES,
     frozenset({CODEC}),
-    note="per micro-batch; derived from the stage's measured rate (not live yet)",
+    note="none per stream (long-lived); each write 10 s, each step's wait 4x its measured time",
 )
 
 
@@ -353,3 +353,186 @@ def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
+
+
+# -- `/peertrain/pipe-weights/1.0.0`: a stage's weights, for recovery ----------------------
+#
+# CheckFree rebuilds a lost stage from its neighbours' weights, and a stage that still has
+# a live replica is copied from it. The asker sends one envelope and reads one answer:
+#
+#     ask:    pipe.wget {run, stage, part: "blocks" | "all"}
+#     answer: pipe.weights {run, stage, step, gnorm, names, shapes} then one fp32 tensor
+#             frame per name, in order;  or  pipe.wnone {reason}
+#
+# The asker knows every stage's layout (it cuts the same manifest), so `WeightsReceiver`
+# is built with the exact names and shapes it accepts and checks the answer's envelope
+# and every tensor header against them before anything is allocated; a non-finite value
+# refuses the whole answer. `gnorm` is the stage's last gradient norm after clipping (the
+# asker validates it: node/recovery/checkfree.check_grad_norm).
+
+WEIGHTS_PROTOCOL_ID: Final = "/peertrain/pipe-weights/1.0.0"
+WEIGHTS_DTYPE: Final = "float32"
+MAX_WEIGHT_TENSORS: Final = 4096
+_WEIGHTS_BODY: Final = frozenset({"run", "stage", "step", "gnorm", "names", "shapes"})
+WEIGHTS_DEADLINE_S: Final = 60.0
+#: What a stage host reads from an asker: one small envelope, no tensor.
+WEIGHTS_REQUEST_LIMITS: Final = StreamLimits(WEIGHTS_PROTOCOL_ID + " request", 512,
+                                             deadline_s=WEIGHTS_DEADLINE_S)
+#: What the asker reads; its own bound is the largest tensor of the stage it asked for.
+WEIGHTS_RESPONSE_LIMITS: Final = StreamLimits(WEIGHTS_PROTOCOL_ID + " response", 1 << 20,
+                                              MAX_TENSOR_BYTES, frozenset({CODEC}),
+                                              deadline_s=WEIGHTS_DEADLINE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReceived:
+    stage: int
+    step: int
+    gnorm: float
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class NoWeights:
+    reason: str
+
+
+PARTS: Final = ("blocks", "all")  # the transformer blocks (CheckFree), or the whole stage
+
+
+def encode_weights_request(run: str, stage: int, part: str = "all") -> bytes:
+    if part not in PARTS:
+        raise LocalProtocolError(f"part must be one of {PARTS}, not {part!r}")
+    return encode_envelope(Envelope("pipe.wget", 0, {"run": run, "stage": stage, "part": part}),
+                           max_frame_bytes=MAX_ENVELOPE_BYTES)
+
+
+def check_weights_request(env: Any, run: str) -> tuple[int, str]:
+    """(stage, part) a `pipe.wget` envelope asks for (RemoteProtocolError if malformed)."""
+    if not isinstance(env, Envelope) or env.type != "pipe.wget":
+        raise RemoteProtocolError(f"expected pipe.wget, got {_short(getattr(env, 'type', env))}")
+    body = env.body
+    if not isinstance(body, dict) or set(body) != {"run", "stage", "part"}:
+        raise RemoteProtocolError("pipe.wget body must be {run, stage, part}")
+    if body["part"] not in PARTS:
+        raise RemoteProtocolError(f"part must be one of {PARTS}, got {_short(body['part'])}")
+    if body["run"] != run:
+        raise RemoteProtocolError(f"run {_short(body['run'])} is not this stream's run {run}")
+    if type(body["stage"]) is not int or not 0 <= body["stage"] < 256:
+        raise RemoteProtocolError(f"stage must be an int in [0, 256), got {_short(body['stage'])}")
+    return body["stage"], body["part"]
+
+
+def encode_no_weights(reason: str) -> bytes:
+    return encode_envelope(Envelope("pipe.wnone", 0, {"reason": reason[:200]}),
+                           max_frame_bytes=MAX_ENVELOPE_BYTES)
+
+
+def encode_weights(run: str, stage: int, step: int, gnorm: float,
+                   tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """The answer's gather list: envelope, then one fp32 tensor frame per name."""
+    import torch
+
+    names = sorted(tensors)
+    wire = {k: tensors[k].detach().to(device="cpu", dtype=torch.float32).contiguous()
+            for k in names}
+    body = {"run": run, "stage": stage, "step": step, "gnorm": float(gnorm), "names": names,
+            "shapes": [list(wire[k].shape) for k in names]}
+    out: list[bytes | memoryview] = [encode_envelope(Envelope("pipe.weights", 0, body),
+                                                     max_frame_bytes=1 << 20)]
+    for k in names:
+        dtype, shape, view = tensor_payload(wire[k])
+        header = make_tensor_header(k, dtype, shape, CODEC, view)
+        out.extend(encode_tensor_frame(header, view, max_frame_bytes=1 << 20))
+    return out
+
+
+class WeightsReceiver:
+    """Sans-IO reader of one answer, bound to the names and shapes the asker expects."""
+
+    def __init__(self, run: str, stage: int, expected: dict[str, tuple[int, ...]]) -> None:
+        if not expected or len(expected) > MAX_WEIGHT_TENSORS:
+            raise LocalProtocolError(f"expected 1..{MAX_WEIGHT_TENSORS} tensors")
+        self.run, self.stage = run, stage
+        self.expected = {k: tuple(v) for k, v in expected.items()}
+        largest = max(math.prod(s) for s in self.expected.values()) * 4
+        if largest > MAX_TENSOR_BYTES:
+            raise LocalProtocolError(f"a tensor of {largest} bytes is over {MAX_TENSOR_BYTES}")
+        self._decoder = replace(WEIGHTS_RESPONSE_LIMITS, max_tensor_bytes=largest).decoder(
+            payload_buffer=self._check)
+        self._order: list[str] = []
+        self._got: dict[str, torch.Tensor] = {}
+        self._head: dict[str, Any] | None = None
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._decoder.feed(data)
+
+    def next_event(self) -> WeightsReceived | NoWeights | _NeedData:
+        while True:
+            event = self._decoder.next_event()
+            if event is NEED_DATA:
+                return NEED_DATA
+            if isinstance(event, Envelope):
+                done = self._on_envelope(event)
+                if done is not None:
+                    return done
+                continue
+            done = self._on_tensor(event)
+            if done is not None:
+                return done
+
+    def _on_envelope(self, env: Envelope) -> NoWeights | None:
+        if self._head is not None:
+            raise RemoteProtocolError(f"{_short(env.type)} while tensor frames were due")
+        if env.type == "pipe.wnone":
+            reason = env.body.get("reason") if isinstance(env.body, dict) else None
+            return NoWeights(reason[:200] if isinstance(reason, str) else "no reason given")
+        if env.type != "pipe.weights":
+            raise RemoteProtocolError(f"unexpected message type {_short(env.type)}")
+        b = env.body
+        if not isinstance(b, dict) or set(b) != _WEIGHTS_BODY:
+            raise RemoteProtocolError(f"pipe.weights body must have {sorted(_WEIGHTS_BODY)}")
+        if b["run"] != self.run or b["stage"] != self.stage:
+            raise RemoteProtocolError(f"weights of run {_short(b['run'])} stage "
+                                      f"{_short(b['stage'])}, asked {self.run} {self.stage}")
+        if type(b["step"]) is not int or not 0 <= b["step"] < MAX_STEP:
+            raise RemoteProtocolError(f"step must be an int >= 0, got {_short(b['step'])}")
+        if not isinstance(b["gnorm"], float | int) or isinstance(b["gnorm"], bool):
+            raise RemoteProtocolError(f"gnorm must be a number, got {_short(b['gnorm'])}")
+        names, shapes = b["names"], b["shapes"]
+        if (not isinstance(names, list) or not isinstance(shapes, list)
+                or len(names) != len(shapes)
+                or set(names) != set(self.expected) or len(set(names)) != len(names)):
+            raise RemoteProtocolError("weights name other tensors than the stage holds")
+        for k, s in zip(names, shapes, strict=True):
+            if not isinstance(s, list) or tuple(s) != self.expected[k]:
+                raise RemoteProtocolError(f"tensor {_short(k)}: shape {_short(s)}, the stage "
+                                          f"holds {list(self.expected[k])}")
+        self._head, self._order = b, list(names)
+        return None
+
+    def _check(self, header: TensorHeader) -> None:
+        if self._head is None or not self._order:
+            raise RemoteProtocolError("tensor frame without a pipe.weights envelope")
+        name = self._order[0]
+        if header.name != name or header.dtype != WEIGHTS_DTYPE or header.codec != CODEC:
+            raise RemoteProtocolError(f"tensor {_short(header.name)} {_short(header.dtype)}, "
+                                      f"expected {name!r} {WEIGHTS_DTYPE}")
+        if tuple(header.shape) != self.expected[name]:
+            raise RemoteProtocolError(f"tensor {name!r}: shape {list(header.shape)}")
+        return None
+
+    def _on_tensor(self, frame: TensorFrame) -> WeightsReceived | None:
+        import torch
+
+        if self._head is None or not self._order:
+            raise RemoteProtocolError("tensor frame without a pipe.weights envelope")
+        name = self._order.pop(0)
+        t = tensor_from_payload(frame.header, frame.payload)
+        if not bool(torch.isfinite(t).all()):
+            raise RemoteProtocolError(f"weights {name!r} hold NaN or inf")
+        self._got[name] = t
+        if self._order:
+            return None
+        head, self._head = self._head, None
+        return WeightsReceived(head["stage"], head["step"], float(head["gnorm"]), self._got)

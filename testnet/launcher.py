@@ -289,6 +289,42 @@ def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
     return out
 
 
+def kill_stage(net: Testnet, stage: int, *, replace: bool = True, timeout: float = 60.0
+               ) -> tuple[list[str], str | None]:
+    """SIGKILL every host of `stage`; once a surviving node's view has lost them (its
+    heartbeat ttl), start a replacement node, which takes the empty stage and recovers it
+    (docs/pipeline.md). Returns (the killed, the replacement's name)."""
+    hosts = stage_hosts(net, stage)
+    if not hosts:
+        raise TestnetError(f"no live process hosts stage {stage} (is this a `--scenario "
+                           "pipeline` testnet?)")
+    ids = set()
+    for p in hosts:
+        with contextlib.suppress(ControlUnavailable, ValueError):
+            ids.add(query_control(Path(p.state_dir), timeout=2.0)["peer_id"])
+        kill_node(net, p.name)
+    survivors = [p for p in net.procs if p.name != "bootstrap" and p not in hosts
+                 and alive(p.pid, p.state_dir)]
+    if not replace:
+        return [p.name for p in hosts], None
+
+    def gone() -> bool:
+        for p in survivors:
+            try:
+                st = query_control(Path(p.state_dir), timeout=2.0)
+            except (ControlUnavailable, ValueError):
+                continue
+            live = {e["peer_id"] for e in (st.get("membership") or {}).get("peers", [])}
+            return not live & ids
+        return True
+    _wait_for(gone, timeout, f"stage {stage}'s hosts to leave the survivors' view", [])
+    names = {p.name for p in net.procs}
+    n = len(net.procs)
+    while f"node{n}" in names:
+        n += 1
+    return [p.name for p in hosts], add_node(net, f"node{n}").name
+
+
 def symmetric(neighbours: dict[str, list[str]]) -> dict[str, list[str]]:
     """The neighbour relation made symmetric: b in a's list puts a in b's."""
     out: dict[str, set[str]] = {}

@@ -41,7 +41,7 @@ class FakeStream:
 
 def claims(hosts: dict[str, int], stage: int = 2):
     """claim() as the service computes it, from a fixed stage map."""
-    def claim(peer: str, kind: str) -> str | None:
+    def claim(peer: str, kind: str, to: int) -> str | None:
         sender = {"act": stage - 1, "grad": stage + 1}.get(kind, -1)
         return None if hosts.get(peer) == sender else f"{peer} does not host stage {sender}"
     return claim

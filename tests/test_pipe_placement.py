@@ -64,3 +64,15 @@ def test_routing_without_torch_is_the_schedule_s_routing():
 def test_unequal_replica_counts_route_by_index():
     assert pl.next_replica(0, 0, 0, 0, 2, [3, 2], "random") == 0
     assert pl.next_replica(0, 0, 0, 0, 1, [3, 2], "random") == 1
+
+
+def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it():
+    """It took stage 0 while the dead stage 2 host still looked live; once that host is
+    gone, the replacement (not yet training) moves, never the trained stage-0 host."""
+    hosts = {"zz-trained": 0, "aa-new": 0, "b": 1, "d": 3}
+    settled = {"zz-trained", "b", "d"}
+    assert pl.rebalance("aa-new", hosts, 4, training=False, settled=settled) == 2
+    assert pl.rebalance("zz-trained", hosts, 4, training=True, settled=settled) is None
+    # with no unsettled node, the highest id of the fullest stage takes it over
+    assert pl.rebalance("zz-trained", {"zz-trained": 0, "aa": 0, "b": 1, "d": 3}, 4,
+                        training=True, settled={"zz-trained", "aa", "b", "d"}) == 2

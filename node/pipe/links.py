@@ -105,14 +105,15 @@ async def messages(stream: Any, receiver: pipe.PipeReceiver, idle_s: float = IDL
 
 
 async def serve_stream(stream: Any, peer: str, expect: pipe.Expect,
-                       claim: Callable[[str, str], str | None], inbox: Inbox,
+                       claim: Callable[[str, str, int], str | None], inbox: Inbox,
                        counters: Counter[str]) -> None:
     """Feed one inbound stream's messages to `inbox` (see the module docstring).
-    `claim(peer, kind)` returns why `peer` may not send `kind` here, or None."""
+    `claim(peer, kind, stage)` returns why `peer` may not send `kind` for `stage` here
+    (its stage map says it hosts no neighbouring stage, or we host another stage now)."""
     receiver = pipe.PipeReceiver(expect)
     async for event in messages(stream, receiver):
         h = event.header
-        problem = claim(peer, h.kind)
+        problem = claim(peer, h.kind, h.stage)
         if problem is not None:
             counters["refused: stage claim"] += 1
             raise RemoteProtocolError(problem)

@@ -16,7 +16,7 @@ sorted peer id; with as many replicas in the next stage, micro-batch k goes to
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -38,16 +38,24 @@ def choose(hosts: Mapping[str, int], stages: int) -> int:
     return counts.index(min(counts))
 
 
-def rebalance(me: str, hosts: Mapping[str, int], stages: int, *, training: bool
-              ) -> int | None:
-    """The stage `me` should move to now, or None to stay (see the module docstring)."""
+def rebalance(me: str, hosts: Mapping[str, int], stages: int, *, training: bool,
+              settled: Collection[str] = ()) -> int | None:
+    """The stage `me` should move to now, or None to stay (see the module docstring).
+
+    `settled`: hosts whose stage already trains. A node that has not started yet moves
+    before one that has (a replacement that took a full stage on a stale view, not the
+    trained host beside it): the donor is the fullest stage holding an unsettled host, if
+    any, and the mover its unsettled host with the highest id."""
     smap = stage_map(hosts, stages)
     counts = [len(row) for row in smap]
     low, high = min(counts), max(counts)
     if high - low < 2 or (training and low > 0):
         return None
-    donor = counts.index(high)
-    if smap[donor][-1] != me:
+    fullest = [s for s, c in enumerate(counts) if c == high]
+    fresh = [s for s in fullest if any(p not in settled for p in smap[s])]
+    donor = (fresh or fullest)[0]
+    candidates = [p for p in smap[donor] if p not in settled] or smap[donor]
+    if candidates[-1] != me:
         return None
     return counts.index(low)
 

@@ -31,6 +31,7 @@ from node.pipe import placement
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
 from protocols import manifest as mf
 from protocols import pipeline as pipe
+from protocols.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -47,7 +48,7 @@ JOIN_TIMEOUT_S = 30.0
 
 class PipelineService:
     name = "pipeline"
-    protocols = (pipe.PROTOCOL_ID,)
+    protocols = (pipe.PROTOCOL_ID, pipe.WEIGHTS_PROTOCOL_ID)
 
     def __init__(self, manifest: mf.Manifest, run_id: str, progress: TrainingStats,
                  data: list[str] | None = None, device: str = "cpu") -> None:
@@ -71,7 +72,10 @@ class PipelineService:
         self.outbox: Outbox | None = None
         self.worker: Any = None
         self._ctx: NodeContext | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the running worker's
+        self._move_to: int | None = None  # a takeover asked by membership
+        self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run
+        self.weights_served = 0
 
     # -- the stage map -------------------------------------------------------------------
 
@@ -93,13 +97,25 @@ class PipelineService:
             out[ctx.peer_id] = self.stage
         return out
 
+    def settled(self) -> set[str]:
+        """Live hosts whose stage trains already (their heartbeats say `staged`)."""
+        ctx = self._ctx
+        assert ctx is not None
+        out = {e.peer_id for e in ctx.membership.live()
+               if (e.info.get("stats") or {}).get("staged") == 1}
+        if self.training:
+            out.add(ctx.peer_id)
+        return out
+
     def stage_map(self) -> list[list[str]]:
         return placement.stage_map(self.hosts(), self.n)
 
-    def claim(self, peer: str, kind: str) -> str | None:
-        """Why `peer` may not send `kind` to our stage (None: it may)."""
+    def claim(self, peer: str, kind: str, stage: int) -> str | None:
+        """Why `peer` may not send `kind` for `stage` here (None: it may)."""
         s = self.stage
         assert s is not None
+        if stage != s:
+            return f"{kind} for stage {stage} from {peer}: this node hosts stage {s} now"
         sender = {"act": s - 1, "grad": s + 1, "tgt": 0, "tied": 0,
                   "tgrad": self.n - 1}.get(kind, -1)
         if 0 <= sender < self.n and peer in self.stage_map()[sender]:
@@ -133,6 +149,7 @@ class PipelineService:
         self.outbox = Outbox(ctx.substrate, self.run_id, capacity=4 * self.M + 8,
                              on_lost=self._on_lost)
         ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
+        ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.outbox.run)
             with trio.move_on_after(FIRST_VIEW_S):
@@ -153,19 +170,20 @@ class PipelineService:
 
     async def _follow_membership(self, ctx: NodeContext) -> None:
         """Keep the stage choice in line with the live view (placement.rebalance)."""
-        warned: set[int] = set()
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
             move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
-                                       training=self.training)
+                                       training=self.training, settled=self.settled())
             if move is None:
                 continue
             if not self.training:
                 self._set_stage(move)
-            elif move not in warned:  # CheckFree's takeover is not live yet
-                warned.add(move)
-                log.warning("pipeline: stage %d has no live host; this node would take it "
-                            "over, but live recovery is not built yet", move)
+            elif self._move_to is None and self.worker is not None:
+                log.warning("pipeline: stage %d has no live host; this node (stage %s, "
+                            "which keeps %d more) takes it over", move, self.stage,
+                            len(self.stage_map()[self.stage or 0]) - 1)
+                self._move_to = move
+                self._stop.set()
 
     async def _wait_to_start(self, ctx: NodeContext) -> None:
         self.phase = "waiting for stages"
@@ -180,27 +198,50 @@ class PipelineService:
                 break
             await trio.sleep(0.2)
         self.training = True
+        assert ctx.run is not None
+        ctx.run.stage_training = True
         self.phase = "training"
         log.info("pipeline: training stage %d; map %s", self.stage,
                  {s: [p[-6:] for p in row] for s, row in enumerate(smap)})
 
     async def _train(self) -> None:
+        """Run the stage's worker; when membership moves this node to a stage left with no
+        host (a takeover), stop it, rebuild the new stage (`_recover`) and run that."""
+        while True:
+            await self._run_worker()
+            move = self._move_to
+            if move is None:
+                return
+            self._move_to = None
+            self._set_stage(move)
+            while self.inbox.get(0) is not None:  # what came for the old stage
+                pass
+
+    async def _run_worker(self) -> None:
         token = trio.lowlevel.current_trio_token()
         failure: list[BaseException] = []
         done = trio.Event()
+        self._stop = threading.Event()
 
         def post(to: tuple, kind: str, stage: int, step: int, mb: int, tensor: Any) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
                 trio.from_thread.run_sync(self._dispatch, to, Outgoing(
                     kind, stage, step, mb, tensor), trio_token=token)  # type: ignore[arg-type]
 
+        self.worker = None
+        worker = await trio.to_thread.run_sync(self._build_worker, post)
+        await self._recover(worker)
+        self.worker = worker
+
         def main() -> None:
+            import torch
+
             from node.training.service import _lower_priority
 
             _lower_priority()
             try:
-                self.worker = self._build_worker(post)
-                self.worker.run()
+                torch.set_num_threads(self.m.train.threads)
+                worker.run()
             except BaseException as e:
                 self.progress.phase = "failed"
                 self.progress.error = f"{type(e).__name__}: {e}"
@@ -214,7 +255,7 @@ class PipelineService:
         try:
             await done.wait()
         finally:
-            self._stop.set()
+            worker.stop.set()
             with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
                 waited.shield = True
                 await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
@@ -276,6 +317,129 @@ class PipelineService:
         gen = torch.Generator().manual_seed(m.run.seed * 1_000_003 + replica_index(ctx.peer_id))
         return lambda: task.train_batch(m.train.batch_size, gen)
 
+    # -- recovery: a stage that starts while the run trains --------------------------------
+
+    async def _recover(self, worker: Any) -> None:
+        """Mid-run, a stage is not drawn from the seed: it is copied from a live replica,
+        or, with none left, rebuilt from its neighbours (CheckFree; docs/pipeline.md)."""
+        ctx, s, p = self._ctx, self.stage, self.m.pipeline
+        assert ctx is not None and s is not None and p is not None
+        swarm = ctx.membership.swarm_step()
+        if swarm == 0:
+            return  # a fresh run: every stage starts from the run's seed
+        t0 = time.monotonic()
+        smap = self.stage_map()
+        stage = worker.runner.stage
+        replicas = [q for q in smap[s] if q != ctx.peer_id]
+        if replicas:
+            shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
+            for peer in replicas:
+                try:
+                    got = await self._fetch(peer, s, "all", shapes)
+                except Exception as e:
+                    log.warning("pipeline: copying stage %d from %s failed: %s", s, peer, e)
+                    continue
+                await trio.to_thread.run_sync(worker.load_copy, got.tensors)
+                self._recovered("copy", [peer], t0, swarm)
+                return
+        if p.recovery == "none":
+            self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
+            return
+        from node.recovery.checkfree import BadGradNorm, RecoveryError, plan
+
+        try:
+            how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
+            if how.rule == "none" or how.ends:
+                raise RecoveryError(f"stage {s} holds the (de)embedding: its neighbours' "
+                                    "copies are not kept live yet")
+            shapes = {k: tuple(v.shape) for k, v in stage.blocks.state_dict().items()}
+            blocks: dict[int, Any] = {}
+            norms: dict[int, float] = {}
+            sources: list[str] = []
+            for j in how.sources:
+                if not smap[j]:
+                    raise RecoveryError(f"stage {j}, a source of stage {s}, has no live host")
+                peer = smap[j][0]
+                got = await self._fetch(peer, j, "blocks", shapes)
+                blocks[j] = got.tensors
+                gossiped = self._gossiped_norm(peer)
+                norms[j] = gossiped if gossiped is not None else got.gnorm
+                sources.append(peer)
+            await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
+                                          self.m.train.grad_clip, p.lr_boost)
+        except (RecoveryError, BadGradNorm, RemoteProtocolError, OSError,
+                trio.TooSlowError) as e:
+            log.warning("pipeline: stage %d cannot be rebuilt (%s); it starts from the "
+                        "seed's weights", s, e)
+            self._recovered("none", [], t0, swarm, str(e))
+            return
+        self._recovered(how.rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+
+    def _recovered(self, rule: str, sources: list[str], t0: float, step: int,
+                   reason: str | None = None, norms: dict[str, float] | None = None) -> None:
+        self.recovery = {"rule": rule, "sources": sources, "at_step": step,
+                         "seconds": round(time.monotonic() - t0, 3), "reason": reason,
+                         "norms": norms}
+        log.info("pipeline: stage %s started mid-run at step %d by %s from %s (%.2f s)%s",
+                 self.stage, step, rule, sources, time.monotonic() - t0,
+                 f": {reason}" if reason else "")
+
+    def _gossiped_norm(self, peer: str) -> float | None:
+        ctx = self._ctx
+        assert ctx is not None
+        for e in ctx.membership.live():
+            if e.peer_id == peer:
+                v = (e.info.get("stats") or {}).get("gnorm")
+                return v if isinstance(v, int | float) and not isinstance(v, bool) else None
+        return None
+
+    async def _fetch(self, peer: str, stage: int, part: str,
+                     shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
+        """Stage `stage`'s weights ("blocks" or "all") from `peer`, checked against
+        `shapes` before anything is allocated (protocols/pipeline.WeightsReceiver)."""
+        from libp2p.peer.id import ID
+
+        from node.streams import pump
+
+        ctx = self._ctx
+        assert ctx is not None
+        with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
+            stream = await ctx.substrate.open_stream(ID.from_base58(peer),
+                                                     pipe.WEIGHTS_PROTOCOL_ID)
+            try:
+                await stream.write(pipe.encode_weights_request(self.run_id, stage, part))
+                rx = pipe.WeightsReceiver(self.run_id, stage, shapes)
+                event = await pump(stream, rx.next_event, rx.receive_data)
+            finally:
+                with contextlib.suppress(Exception), trio.move_on_after(2):
+                    await stream.close()
+        if isinstance(event, pipe.NoWeights):
+            raise RemoteProtocolError(f"{peer} has no weights of stage {stage}: {event.reason}")
+        return event
+
+    async def _serve_weights(self, stream: INetStream) -> None:
+        from node.streams import next_event, write_chunks
+
+        try:
+            with trio.fail_after(10):
+                decoder = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+                stage, part = pipe.check_weights_request(await next_event(stream, decoder),
+                                                         self.run_id)
+            worker = self.worker
+            if worker is None or stage != self.stage:
+                await stream.write(pipe.encode_no_weights(
+                    f"this node hosts stage {self.stage}, not {stage}" if worker
+                    else "not training yet"))
+                return
+            step, gnorm, state = await trio.to_thread.run_sync(worker.snapshot, part)
+            with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
+                await write_chunks(stream, pipe.encode_weights(self.run_id, stage, step,
+                                                               gnorm, state))
+            self.weights_served += 1
+        finally:
+            with contextlib.suppress(Exception), trio.move_on_after(2):
+                await stream.close()
+
     # -- messages ------------------------------------------------------------------------
 
     def _dispatch(self, to: tuple, msg: Outgoing) -> None:
@@ -321,8 +485,10 @@ class PipelineService:
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
-            if not self.training or self.stage is None:
-                self.counters["refused: not training"] += 1
+            # Messages may come before our worker runs (a neighbour saw the map complete a
+            # moment before we did): the bounded inbox holds them until it does.
+            if self.stage is None:
+                self.counters["refused: no stage yet"] += 1
                 return
             await serve_stream(stream, peer, self._expect(), self.claim, self.inbox,
                                self.counters)
@@ -372,5 +538,7 @@ class PipelineService:
                            if k.startswith(("refused", "lost"))},
                         **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
             "queued": self.inbox.qsize(),
+            "recovery": self.recovery,
+            "weights_served": self.weights_served,
             "outbox": self.outbox.statistics() if self.outbox else {},
         }

@@ -85,6 +85,39 @@ class StageWorker:
         self.step = first_step
         self.stats = WorkerStats()
         self.tied_version = 0  # last stage: the step its tied matrix is for
+        # Held while the weights change (a step, a recovery) so that a snapshot served to
+        # a recovering neighbour (`snapshot`, from another thread) is one step's weights.
+        self.lock = threading.Lock()
+
+    # -- recovery (called from other threads before run(), or while it runs) ------------
+
+    def snapshot(self, part: str) -> tuple[int, float, dict[str, Any]]:
+        """(step, gradient norm after clipping, weights): "blocks" or "all" of the stage."""
+        stage = self.runner.stage
+        with self.lock:
+            if part == "blocks":
+                state = stage.blocks_state()
+            else:
+                state = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+            return self.progress.step, float(self.runner.grad_norm), \
+                {k: v.cpu() for k, v in state.items()}
+
+    def load_copy(self, state: dict[str, Any]) -> None:
+        """A live replica's weights (a stage that still has one is copied, not rebuilt)."""
+        with self.lock:
+            self.runner.stage.load_state_dict(state, strict=True)
+
+    def rebuild(self, plan: Any, blocks: dict[int, Any], norms: dict[int, float],
+                grad_clip: float, lr_boost: float) -> None:
+        """CheckFree: the lost stage's blocks from its neighbours', a fresh Adam at lr x
+        lr_boost (node/recovery/checkfree.py checks the norms and the weights)."""
+        from node.recovery.checkfree import rebuild_blocks
+
+        state = rebuild_blocks(plan, blocks, norms, grad_clip)
+        with self.lock:
+            if state is not None:
+                self.runner.stage.load_blocks_state(state)
+            self.runner.reset_optimizer(lr_boost)
 
     # -- common ---------------------------------------------------------------------------
 
@@ -176,7 +209,9 @@ class StageWorker:
             self._lost(f"step {t}: {len(pending)} micro-batches not back within "
                        f"{self.wait_s():.1f} s", len(pending))
         if done:
-            r.step()
+            with self.lock:
+                r.step()
+            self.progress.grad_norm = round(r.grad_norm, 6)
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, t + 1, 0,
@@ -209,7 +244,9 @@ class StageWorker:
                 if last and r.stage.tied_grad() is not None:
                     self.post(("stage", 0), "tgrad", 0, cur, 0, r.stage.tied_grad().detach())
                     r.stage.tied.grad = None
-                r.step()
+                with self.lock:
+                    r.step()
+                self.progress.grad_norm = round(r.grad_norm, 6)
                 self._timed(t_start, whole=done == self.M)
                 if losses:
                     self.progress.loss = round(sum(losses) / len(losses), 4)
