@@ -268,6 +268,8 @@ def pipeline_stages(m: mf.Manifest, stages: int) -> mf.Manifest:
     doc = m.model_dump(by_alias=True)
     doc["model"] = {**doc["model"], "n_layers": stages}
     doc["pipeline"] = {**doc["pipeline"], "stages": stages, "layers": []}
+    if stages < 3:  # no interior stage to rebuild: CheckFree does not apply
+        doc["pipeline"]["recovery"] = "none"
     try:
         return mf.Manifest.model_validate(doc)
     except ValueError as e:

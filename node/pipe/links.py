@@ -35,8 +35,10 @@ from protocols.errors import RemoteProtocolError
 log = logging.getLogger("node.pipeline")
 
 IDLE_S = 300.0  # an inbound stream with no message for this long is closed
-OPEN_S = 5.0  # opening a stream to the next stage
-WRITE_S = 10.0  # one message's write
+# Generous: a live peer on a loaded machine (a testnet of many nodes on 2 cores) took
+# more than 5 s to answer a stream's negotiation; a dead one leaves the stage map anyway.
+OPEN_S = 15.0  # opening a stream to the next stage
+WRITE_S = 30.0  # one message's write
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,7 +290,16 @@ class PipelineService:
         return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
-                           device=self.device, first_step=self._swarm_step())
+                           device=self.device, first_step=self._swarm_step(),
+                           leader_step=self._leader_step)
+
+    def _leader_step(self) -> int:
+        """The highest step another live first-stage host reports (heartbeats)."""
+        smap = self.stage_map()
+        assert self._ctx is not None
+        steps = [(e.info.get("stats") or {}).get("step") for e in self._ctx.membership.live()
+                 if e.peer_id in smap[0]]
+        return max((x for x in steps if type(x) is int), default=0)
 
     def _swarm_step(self) -> int:
         """Where a stage that starts late starts counting: the swarm's step (a driver that

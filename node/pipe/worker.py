@@ -35,7 +35,7 @@ from node.pipe.links import Inbox, Lost, Message
 
 log = logging.getLogger("node.pipeline")
 
-MIN_WAIT_S = 3.0
+MIN_WAIT_S = 5.0
 FIRST_WAIT_S = 60.0
 POLL_S = 0.5
 
@@ -70,7 +70,7 @@ class StageWorker:
                  post: Post, stop: threading.Event, *, progress: Any,
                  batches: Callable[[], tuple[Any, Any]] | None = None,
                  ready: Callable[[], bool] = lambda: True, device: str = "cpu",
-                 first_step: int = 0) -> None:
+                 first_step: int = 0, leader_step: Callable[[], int] = lambda: 0) -> None:
         self.runner = runner
         self.stage = runner.stage.index
         self.n_stages = n_stages
@@ -83,6 +83,9 @@ class StageWorker:
         self.ready = ready
         self.device = device
         self.step = first_step
+        # First-stage replicas keep in step: one behind the most advanced replica's step
+        # jumps to it (else its micro-batches reach stages already past that step, stale).
+        self.leader_step = leader_step
         self.stats = WorkerStats()
         self.tied_version = 0  # last stage: the step its tied matrix is for
         # Held while the weights change (a step, a recovery) so that a snapshot served to
@@ -163,6 +166,7 @@ class StageWorker:
         from node.pipeline.schedule import micro_batches
 
         assert self.batches is not None
+        self.step = max(self.step, self.leader_step())
         t, r = self.step, self.runner
         t0 = time.monotonic()
         x, y = self.batches()
