@@ -210,3 +210,48 @@ def test_a_stream_that_ends_between_messages_ended_cleanly() -> None:
     assert rx.next_event() is NEED_DATA and not rx.between_messages
     rx.receive_data(data[10:])
     assert isinstance(rx.next_event(), pipe.TensorReceived) and rx.between_messages
+
+
+# -- /peertrain/pipe-weights/1.0.0 ----------------------------------------------------------
+
+SHAPES = {"0.w": (4, 8), "0.b": (8,)}
+
+
+def weights_events(parts: list, shapes=SHAPES, stage: int = 1) -> list:
+    rx = pipe.WeightsReceiver(RUN, stage, shapes)
+    rx.receive_data(join(parts))
+    out = []
+    while (ev := rx.next_event()) is not NEED_DATA:
+        out.append(ev)
+    return out
+
+
+def test_a_stage_s_weights_arrive_whole_and_exact() -> None:
+    state = {"0.w": torch.randn(4, 8), "0.b": torch.randn(8)}
+    (ev,) = weights_events(pipe.encode_weights(RUN, 1, 42, 0.5, state))
+    assert isinstance(ev, pipe.WeightsReceived) and (ev.step, ev.gnorm) == (42, 0.5)
+    assert all(torch.equal(ev.tensors[k], state[k]) for k in state)
+    (none,) = weights_events([pipe.encode_no_weights("not training yet")])
+    assert isinstance(none, pipe.NoWeights) and none.reason == "not training yet"
+
+
+@pytest.mark.parametrize(("state", "stage", "match"), [
+    ({"0.w": torch.randn(4, 8)}, 1, "other tensors"),  # a tensor missing
+    ({"0.w": torch.randn(4, 9), "0.b": torch.randn(8)}, 1, "shape"),  # a wrong shape
+    ({"0.w": torch.full((4, 8), float("nan")), "0.b": torch.randn(8)}, 1, "NaN"),
+    ({"0.w": torch.randn(4, 8), "0.b": torch.randn(8)}, 2, "asked"),  # another stage's
+])
+def test_weights_that_are_not_the_stage_s_are_refused(state, stage, match) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        weights_events(pipe.encode_weights(RUN, stage, 1, 0.5, state))
+
+
+def test_a_weights_request_is_checked() -> None:
+    dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+    dec.feed(pipe.encode_weights_request(RUN, 3, "blocks"))
+    assert pipe.check_weights_request(dec.next_event(), RUN) == (3, "blocks")
+    bad = encode_envelope(Envelope("pipe.wget", 0, {"run": RUN, "stage": 3, "part": "optim"}))
+    dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+    dec.feed(bad)
+    with pytest.raises(RemoteProtocolError, match="part"):
+        pipe.check_weights_request(dec.next_event(), RUN)
