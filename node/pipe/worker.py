@@ -129,15 +129,16 @@ class StageWorker:
             return FIRST_WAIT_S
         return max(MIN_WAIT_S, 4 * self.stats.step_s)
 
-    def _timed(self, t0: float, whole: bool) -> None:
-        """Count a step; only a whole one (every micro-batch back) is timed: a step cut
-        short by the deadline would stretch the deadline it is measured against."""
-        dt = time.monotonic() - t0
+    def _timed(self, t0: float, last_back: float | None) -> None:
+        """Count a step. Its time is until its last gradient came back (None: none did),
+        never until a deadline that expired: that would stretch the deadline it is
+        measured against, and a step that always loses one micro-batch still measures."""
         st = self.stats
-        if whole:
+        if last_back is not None:
+            dt = last_back - t0
             st.step_s = dt if st.step_s == 0 else 0.7 * st.step_s + 0.3 * dt
         st.steps += 1
-        self.progress.compute_s += dt
+        self.progress.compute_s += time.monotonic() - t0
 
     def _lost(self, why: str, n: int = 1) -> None:
         self.stats.dropped += n
@@ -182,6 +183,7 @@ class StageWorker:
         done = 0
         deadline = t0 + self.wait_s()
         lost = 0
+        last_back: float | None = None
         # the head gradient comes when the last stage has all M micro-batches: not after a loss
         while (pending or (need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
@@ -201,12 +203,16 @@ class StageWorker:
                     lost += 1
                 continue
             if item.kind == "grad" and item.mb in pending:
-                r.backward(item.mb, self._dev(item.tensor))
                 pending.discard(item.mb)
+                last_back = time.monotonic()
+                if self._backward(item) is False:
+                    lost += 1
+                    continue
                 done += 1
             elif item.kind == "tgrad":
                 r.stage.add_tied_grad(self._dev(item.tensor))
                 need_tied = False
+                last_back = time.monotonic()
         for k in pending:
             r.drop(k)
         if pending:
@@ -222,7 +228,7 @@ class StageWorker:
                   r.stage.wte.weight.detach())
         self.step = t + 1
         self.progress.step = self.step
-        self._timed(t0, whole=done == self.M and not need_tied)
+        self._timed(t0, last_back)
 
     # -- the other stages ----------------------------------------------------------------
 
@@ -237,9 +243,10 @@ class StageWorker:
         losses: list[float] = []
         waiting: dict[tuple[str, int, int], Message] = {}  # last stage: acts/targets unpaired
         t_start = quiet_since = time.monotonic()
+        last_back: float | None = None
 
         def finish() -> None:
-            nonlocal done, losses, is_open
+            nonlocal done, losses, is_open, last_back
             for k in list(came_from):
                 r.drop(k)
                 self._lost(f"step {cur}: micro-batch {k} not back in time")
@@ -251,15 +258,17 @@ class StageWorker:
                 with self.lock:
                     r.step()
                 self.progress.grad_norm = round(r.grad_norm, 6)
-                self._timed(t_start, whole=done == self.M)
+                self._timed(t_start, last_back)
                 if losses:
                     self.progress.loss = round(sum(losses) / len(losses), 4)
+            last_back = None
             r.optimizer.zero_grad(set_to_none=True)
             self.progress.step = cur + 1
             done, losses, is_open = 0, [], False
 
         def backward_done(mb: int, g: Any, to: str) -> None:
-            nonlocal done
+            nonlocal done, last_back
+            last_back = time.monotonic()
             self.post(("peer", to), "grad", self.stage - 1, cur, mb, g)
             done += 1
             self.stats.micro_batches += 1
@@ -288,8 +297,10 @@ class StageWorker:
                 if item.step != cur or item.mb not in came_from:
                     self.stats.stale += 1
                     continue
-                g = r.backward(item.mb, self._dev(item.tensor))
-                backward_done(item.mb, g, came_from.pop(item.mb))
+                sender = came_from.pop(item.mb)
+                g = self._backward(item)
+                if g is not False:
+                    backward_done(item.mb, g, sender)
                 continue
             # activations (or, at the last stage, targets)
             if item.step < cur or (item.step == cur and not is_open):
@@ -336,6 +347,20 @@ class StageWorker:
                     continue
                 losses.append(loss)
                 backward_done(mb, g, act.sender)
+
+    def _backward(self, item: Message) -> Any:
+        """The input's gradient (None on the first stage), or False: a gradient that does
+        not fit the saved activations (a shape the wire allows but this micro-batch is
+        not) costs that micro-batch, logged, never the worker."""
+        try:
+            return self.runner.backward(item.mb, self._dev(item.tensor))
+        except (RuntimeError, ValueError, KeyError) as e:
+            self.runner.drop(item.mb)
+            self._lost(f"gradient of micro-batch {item.mb} from {item.sender} refused: {e}")
+            log.warning("pipeline: refused the gradient of step %d micro-batch %d from %s: "
+                        "%s", item.step, item.mb, item.sender, e,
+                        extra={"peer": item.sender, "reason": "pipe gradient"})
+            return False
 
     def _forward(self, mb: int, x: Any) -> Any:
         try:
