@@ -76,3 +76,16 @@ def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it()
     # with no unsettled node, the highest id of the fullest stage takes it over
     assert pl.rebalance("zz-trained", {"zz-trained": 0, "aa": 0, "b": 1, "d": 3}, 4,
                         training=True, settled={"zz-trained", "aa", "b", "d"}) == 2
+
+
+def test_of_two_trained_hosts_the_much_younger_one_takes_the_lost_stage_over():
+    hosts = {"zz-old": 0, "aa-young": 0, "b": 1, "d": 3}
+    settled = set(hosts)
+    uptime = {"zz-old": 900.0, "aa-young": 40.0, "b": 900.0, "d": 900.0}
+    assert pl.rebalance("aa-young", hosts, 4, training=True, settled=settled,
+                        uptime=uptime) == 2
+    assert pl.rebalance("zz-old", hosts, 4, training=True, settled=settled,
+                        uptime=uptime) is None
+    close = {**uptime, "aa-young": 890.0}  # too close to tell apart across views: by id
+    assert pl.rebalance("zz-old", hosts, 4, training=True, settled=settled,
+                        uptime=close) == 2

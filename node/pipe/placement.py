@@ -38,14 +38,21 @@ def choose(hosts: Mapping[str, int], stages: int) -> int:
     return counts.index(min(counts))
 
 
+YOUNGER_S = 30.0  # an uptime this much lower marks the younger of two trained hosts
+
+
 def rebalance(me: str, hosts: Mapping[str, int], stages: int, *, training: bool,
-              settled: Collection[str] = ()) -> int | None:
+              settled: Collection[str] = (), uptime: Mapping[str, float] | None = None
+              ) -> int | None:
     """The stage `me` should move to now, or None to stay (see the module docstring).
 
     `settled`: hosts whose stage already trains. A node that has not started yet moves
     before one that has (a replacement that took a full stage on a stale view, not the
     trained host beside it): the donor is the fullest stage holding an unsettled host, if
-    any, and the mover its unsettled host with the highest id."""
+    any, and the mover its unsettled host with the highest id. Among trained hosts only,
+    the youngest (`uptime`, from heartbeats) moves when it is YOUNGER_S younger than every
+    other: the replacement that took a full stage on a stale view and had started already,
+    not the host that trained that stage for an hour."""
     smap = stage_map(hosts, stages)
     counts = [len(row) for row in smap]
     low, high = min(counts), max(counts)
@@ -54,8 +61,13 @@ def rebalance(me: str, hosts: Mapping[str, int], stages: int, *, training: bool,
     fullest = [s for s, c in enumerate(counts) if c == high]
     fresh = [s for s in fullest if any(p not in settled for p in smap[s])]
     donor = (fresh or fullest)[0]
-    candidates = [p for p in smap[donor] if p not in settled] or smap[donor]
-    if candidates[-1] != me:
+    candidates = [p for p in smap[donor] if p not in settled]
+    mover = candidates[-1] if candidates else smap[donor][-1]
+    if not candidates and uptime:
+        ages = sorted((uptime.get(p, 0.0), p) for p in smap[donor])
+        if len(ages) > 1 and ages[1][0] - ages[0][0] >= YOUNGER_S:
+            mover = ages[0][1]
+    if mover != me:
         return None
     return counts.index(low)
 

@@ -107,6 +107,19 @@ class PipelineService:
             out.add(ctx.peer_id)
         return out
 
+    def uptimes(self) -> dict[str, float]:
+        """Live nodes' uptimes (heartbeats; ours from the clock): placement moves the
+        youngest of a stage's trained hosts."""
+        ctx = self._ctx
+        assert ctx is not None
+        out = {}
+        for e in ctx.membership.live():
+            u = (e.info.get("stats") or {}).get("uptime")
+            if isinstance(u, int | float) and not isinstance(u, bool):
+                out[e.peer_id] = float(u) + (time.monotonic() - e.last_seen)
+        out[ctx.peer_id] = time.monotonic() - ctx.phases.started
+        return out
+
     def stage_map(self) -> list[list[str]]:
         return placement.stage_map(self.hosts(), self.n)
 
@@ -173,7 +186,8 @@ class PipelineService:
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
             move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
-                                       training=self.training, settled=self.settled())
+                                       training=self.training, settled=self.settled(),
+                                       uptime=self.uptimes())
             if move is None:
                 continue
             if not self.training:
@@ -294,12 +308,10 @@ class PipelineService:
                            leader_step=self._leader_step)
 
     def _leader_step(self) -> int:
-        """The highest step another live first-stage host reports (heartbeats)."""
-        smap = self.stage_map()
+        """The highest step a live stage host reports (heartbeats): a first stage behind
+        it (a late replica, one restarted from the seed) would send only stale work."""
         assert self._ctx is not None
-        steps = [(e.info.get("stats") or {}).get("step") for e in self._ctx.membership.live()
-                 if e.peer_id in smap[0]]
-        return max((x for x in steps if type(x) is int), default=0)
+        return self._ctx.membership.swarm_step()
 
     def _swarm_step(self) -> int:
         """Where a stage that starts late starts counting: the swarm's step (a driver that
