@@ -256,3 +256,32 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     run_until(workers, stop, lambda: progress[0].step >= 3)
     assert workers[1].stats.dropped >= 3 and "refused" in workers[1].stats.last_reason
     assert workers[1].stats.micro_batches >= 3  # micro-batch 1 of every step went through
+
+
+@pytest.mark.parametrize("norm", [-1.0, float("inf"), float("nan"), 1e9, "0.5"])
+def test_an_absurd_gossiped_gradient_norm_refuses_the_rebuild(norm):
+    from node.recovery.checkfree import BadGradNorm, plan
+
+    workers, _, _ = wire_pipeline(3)
+    mid = workers[1]
+    before = {k: v.clone() for k, v in mid.runner.stage.blocks_state().items()}
+    blocks = {0: workers[0].runner.stage.blocks_state(), 2: workers[2].runner.stage.blocks_state()}
+    with pytest.raises(BadGradNorm):
+        mid.rebuild(plan(1, [1, 1, 1], "checkfree"), blocks, {0: norm, 2: 0.5}, 1.0, 1.1)
+    after = mid.runner.stage.blocks_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # untouched
+
+
+def test_a_rebuild_weighs_the_neighbours_by_their_norms_with_a_fresh_boosted_adam():
+    from node.recovery.checkfree import plan
+
+    workers, _, _ = wire_pipeline(3)
+    mid = workers[1]
+    prev, nxt = workers[0].runner.stage.blocks_state(), workers[2].runner.stage.blocks_state()
+    mid.rebuild(plan(1, [1, 1, 1], "checkfree"), {0: prev, 2: nxt}, {0: 0.3, 2: 0.1}, 1.0, 1.1)
+    w0, w2 = (0.3 + 1e-4) / (0.4 + 2e-4), (0.1 + 1e-4) / (0.4 + 2e-4)
+    got = mid.runner.stage.blocks_state()
+    for k in got:
+        torch.testing.assert_close(got[k], w0 * prev[k] + w2 * nxt[k])
+    assert mid.runner.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 1.1)
+    assert not mid.runner.optimizer.state  # fresh moments

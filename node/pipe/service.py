@@ -44,6 +44,7 @@ log = logging.getLogger("node.pipeline")
 SETTLE_S = 3.0  # the stage map must hold this long before training starts
 FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
 JOIN_TIMEOUT_S = 30.0
+FETCH_TRIES = 3
 
 
 class PipelineService:
@@ -366,7 +367,7 @@ class PipelineService:
         if p.recovery == "none":
             self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
             return
-        from node.recovery.checkfree import BadGradNorm, RecoveryError, plan
+        from node.recovery.checkfree import RecoveryError, plan
 
         try:
             how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
@@ -388,8 +389,7 @@ class PipelineService:
                 sources.append(peer)
             await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
                                           self.m.train.grad_clip, p.lr_boost)
-        except (RecoveryError, BadGradNorm, RemoteProtocolError, OSError,
-                trio.TooSlowError) as e:
+        except Exception as e:  # RecoveryError, BadGradNorm, a neighbour gone: the seed's
             log.warning("pipeline: stage %d cannot be rebuilt (%s); it starts from the "
                         "seed's weights", s, e)
             self._recovered("none", [], t0, swarm, str(e))
@@ -416,6 +416,21 @@ class PipelineService:
 
     async def _fetch(self, peer: str, stage: int, part: str,
                      shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
+        """`_fetch_once`, tried FETCH_TRIES times: on a loaded machine a joiner's first
+        stream negotiation can outlast py-libp2p's own timeout (seen: the host had the
+        stream, the asker had given up); a refusal with a reason is not retried."""
+        for attempt in range(FETCH_TRIES):
+            try:
+                return await self._fetch_once(peer, stage, part, shapes)
+            except Exception as e:
+                if isinstance(e, RemoteProtocolError) or attempt == FETCH_TRIES - 1:
+                    raise
+                log.info("pipeline: fetching stage %d from %s failed (%s); trying again",
+                         stage, peer, e)
+        raise AssertionError("unreachable")
+
+    async def _fetch_once(self, peer: str, stage: int, part: str,
+                          shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
         """Stage `stage`'s weights ("blocks" or "all") from `peer`, checked against
         `shapes` before anything is allocated (protocols/pipeline.WeightsReceiver)."""
         from libp2p.peer.id import ID
