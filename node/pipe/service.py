@@ -169,6 +169,12 @@ class PipelineService:
             with trio.move_on_after(FIRST_VIEW_S):
                 while ctx.membership.first_peer_after_s is None:
                     await trio.sleep(0.1)
+            # Heartbeats that queued while torch's import held this thread were stamped
+            # live when processed, a killed host's among them, with old stats (seen: a
+            # replacement took a stage whose host was dead, on a swarm step 2 minutes old).
+            # One ttl later those have expired and every live peer has beaten again.
+            if time.monotonic() - ctx.phases.started > ctx.config.peer_ttl_s:
+                await trio.sleep(ctx.config.peer_ttl_s)
             self._set_stage(placement.choose(self.hosts(), self.n))
             nursery.start_soon(self._follow_membership, ctx)
             task_status.started()
