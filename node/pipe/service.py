@@ -45,6 +45,7 @@ SETTLE_S = 3.0  # the stage map must hold this long before training starts
 FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
 JOIN_TIMEOUT_S = 30.0
 FETCH_TRIES = 3
+FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
 
 
 class PipelineService:
@@ -80,13 +81,34 @@ class PipelineService:
 
     # -- the stage map -------------------------------------------------------------------
 
+    def live(self) -> list[Any]:
+        """The membership view's live peers, less those whose last heartbeat was written
+        more than FRESH_S ago (its `t`): gossip re-delivered heartbeats minutes old (a
+        relay's backlog, a seen-cache that expired) and they made a killed host look live
+        and a swarm step 200 steps old look current."""
+        ctx = self._ctx
+        assert ctx is not None
+        now = time.time()
+        out = []
+        for e in ctx.membership.live():
+            t = (e.info.get("stats") or {}).get("t")
+            if isinstance(t, int | float) and not isinstance(t, bool) and now - t > FRESH_S:
+                continue
+            out.append(e)
+        return out
+
+    def swarm_step(self) -> int:
+        """The highest step a fresh live peer reports."""
+        steps = [(e.info.get("stats") or {}).get("step") for e in self.live()]
+        return max((x for x in steps if type(x) is int), default=0)
+
     def hosts(self) -> dict[str, int]:
         """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
         ctx = self._ctx
         assert ctx is not None
         doc = ctx.run.document if ctx.run else None
         out: dict[str, int] = {}
-        for e in ctx.membership.live():
+        for e in self.live():
             if e.info.get("role") != "node" or e.peer_id == ctx.peer_id:
                 continue
             s = (e.info.get("stats") or {}).get("stage")
@@ -102,7 +124,7 @@ class PipelineService:
         """Live hosts whose stage trains already (their heartbeats say `staged`)."""
         ctx = self._ctx
         assert ctx is not None
-        out = {e.peer_id for e in ctx.membership.live()
+        out = {e.peer_id for e in self.live()
                if (e.info.get("stats") or {}).get("staged") == 1}
         if self.training:
             out.add(ctx.peer_id)
@@ -114,7 +136,7 @@ class PipelineService:
         ctx = self._ctx
         assert ctx is not None
         out = {}
-        for e in ctx.membership.live():
+        for e in self.live():
             u = (e.info.get("stats") or {}).get("uptime")
             if isinstance(u, int | float) and not isinstance(u, bool):
                 out[e.peer_id] = float(u) + (time.monotonic() - e.last_seen)
@@ -318,13 +340,13 @@ class PipelineService:
         """The highest step a live stage host reports (heartbeats): a first stage behind
         it (a late replica, one restarted from the seed) would send only stale work."""
         assert self._ctx is not None
-        return self._ctx.membership.swarm_step()
+        return self.swarm_step()
 
     def _swarm_step(self) -> int:
         """Where a stage that starts late starts counting: the swarm's step (a driver that
         started at 0 would send micro-batches every other stage refuses as stale)."""
         assert self._ctx is not None
-        return self._ctx.membership.swarm_step()
+        return self.swarm_step()
 
     def _batches(self) -> Any:
         import torch
@@ -352,7 +374,7 @@ class PipelineService:
         or, with none left, rebuilt from its neighbours (CheckFree; docs/pipeline.md)."""
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
-        swarm = ctx.membership.swarm_step()
+        swarm = self.swarm_step()
         if swarm == 0:
             return  # a fresh run: every stage starts from the run's seed
         t0 = time.monotonic()
@@ -414,7 +436,7 @@ class PipelineService:
     def _gossiped_norm(self, peer: str) -> float | None:
         ctx = self._ctx
         assert ctx is not None
-        for e in ctx.membership.live():
+        for e in self.live():
             if e.peer_id == peer:
                 v = (e.info.get("stats") or {}).get("gnorm")
                 return v if isinstance(v, int | float) and not isinstance(v, bool) else None
