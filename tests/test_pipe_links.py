@@ -195,7 +195,7 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
         runner = StageRunner(built[s], StageOptim(lr=3e-3), max_in_flight=8)
         workers.append(StageWorker(runner, stages, micro_batches, inboxes[s], post_from(s),
                                    stop, progress=progress[s],
-                                   batches=batches if s == 0 else None))
+                                   batches=batches if s == 0 else None, first_wait_s=10.0))
     return workers, progress, stop
 
 

@@ -70,7 +70,8 @@ class StageWorker:
                  post: Post, stop: threading.Event, *, progress: Any,
                  batches: Callable[[], tuple[Any, Any]] | None = None,
                  ready: Callable[[], bool] = lambda: True, device: str = "cpu",
-                 first_step: int = 0, leader_step: Callable[[], int] = lambda: 0) -> None:
+                 first_step: int = 0, leader_step: Callable[[], int] = lambda: 0,
+                 first_wait_s: float = FIRST_WAIT_S) -> None:
         self.runner = runner
         self.stage = runner.stage.index
         self.n_stages = n_stages
@@ -83,6 +84,7 @@ class StageWorker:
         self.ready = ready
         self.device = device
         self.step = first_step
+        self.first_wait_s = first_wait_s  # the deadline until a step has been measured
         # First-stage replicas keep in step: one behind the most advanced replica's step
         # jumps to it (else its micro-batches reach stages already past that step, stale).
         self.leader_step = leader_step
@@ -126,7 +128,7 @@ class StageWorker:
 
     def wait_s(self) -> float:
         if self.stats.step_s == 0:
-            return FIRST_WAIT_S
+            return self.first_wait_s
         return max(MIN_WAIT_S, 4 * self.stats.step_s)
 
     def _timed(self, t0: float, last_back: float | None) -> None:
