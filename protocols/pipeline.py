@@ -78,7 +78,8 @@ LIMITS: Final = StreamLimits(
     MAX_ENVELOPE_BYTES,
     MAX_TENSOR_BYTES,
     frozenset({CODEC}),
-    note="none per stream (long-lived); each write 10 s, each step's wait 4x its measured time",
+    note="none per stream (long-lived); each write 30 s, a step waits 4x its measured "
+         "time (>= 5 s)",
 )
 
 
