@@ -205,7 +205,11 @@ class Node:
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
-        if config.train:
+        if config.train and manifest.pipeline is not None:
+            # A stage host pulls no checkpoint (none is written for stages yet): torch can
+            # load now, beside the stage choice.
+            preload.start()
+        elif config.train:
             from node.checkpoints.service import CheckpointService
             from node.training.build import check_swarm_algorithm
 
@@ -236,6 +240,12 @@ class Node:
         ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
         if not config.train:
             return []
+        if ctx.the_run().manifest.pipeline is not None:
+            from node.pipe.service import PipelineService
+
+            run = ctx.the_run()
+            return [PipelineService(run.manifest, run.run_id, run.progress, config.data,
+                                    device=ctx.device)]
         from node.averaging.history_gossip import HistoryGossip
         from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager

@@ -103,6 +103,8 @@ DECLARATIONS: Final = (
     ("protocols.averaging", "LIMITS"),
     ("protocols.lane", "LIMITS"),
     ("protocols.pipeline", "LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_REQUEST_LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_RESPONSE_LIMITS"),
     ("protocols.history", "LIMITS"),
     ("protocols.heartbeat", "LIMITS"),
     ("protocols.records", "LIMITS"),
