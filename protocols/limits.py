@@ -104,9 +104,12 @@ DECLARATIONS: Final = (
     ("protocols.averaging", "LIMITS"),
     ("protocols.lane", "LIMITS"),
     ("protocols.pipeline", "LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_REQUEST_LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_RESPONSE_LIMITS"),
     ("protocols.history", "LIMITS"),
     ("protocols.heartbeat", "LIMITS"),
     ("protocols.records", "LIMITS"),
+    ("protocols.webrtc_signal", "LIMITS"),
 )
 
 
