@@ -98,6 +98,7 @@ DECLARATIONS: Final = (
     ("protocols.manifest_exchange", "RESPONSE_LIMITS"),
     ("protocols.ckpt_exchange", "REQUEST_LIMITS"),
     ("protocols.ckpt_exchange", "RESPONSE_LIMITS"),
+    ("protocols.ckpt_exchange", "LANE_HEADER_LIMITS"),
     ("protocols.rundoc", "SYNC_LIMITS"),
     ("protocols.rundoc", "GOSSIP_LIMITS"),
     ("protocols.averaging", "LIMITS"),

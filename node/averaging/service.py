@@ -28,7 +28,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.averaging.lane import LaneListener, connect_lane
+from node.lane import LaneListener, connect_lane, listen_host
 from node.streams import pump, write_chunks
 from node.training.rounds import Outcome
 from p2p.host import Substrate
@@ -104,7 +104,7 @@ class Averager:
         # relays and NATs). Partner -> when its lane failed (time.monotonic()).
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
-        self.lane_host = _listen_host(substrate)
+        self.lane_host = listen_host(substrate)
         self.after_round = after_round
         # Where the initiator's stream comes from: the substrate, or the webrtc service,
         # which hands out a data channel to a peer reached only through a relay
@@ -376,16 +376,6 @@ def _path(stream: Any) -> str:
     """How a swap's bytes are counted: "stream" (libp2p) or the stream's own `path`
     ("webrtc": a data channel)."""
     return getattr(stream, "path", "stream")
-
-
-def _listen_host(substrate: Substrate) -> str:
-    """Lanes listen where the node listens (loopback in a testnet, all interfaces else)."""
-    for addr in substrate.listen:
-        try:
-            return addr.value_for_protocol("ip4")
-        except Exception:
-            continue
-    return "0.0.0.0"
 
 
 async def _close(stream: Any) -> None:
