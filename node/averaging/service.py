@@ -109,7 +109,7 @@ class Averager:
         # Where the initiator's stream comes from: the substrate, or the webrtc service,
         # which hands out a data channel to a peer reached only through a relay
         # (node/webrtc/); its streams say so in `path`, counted apart below.
-        self.open_stream = open_stream or substrate.open_stream
+        self.open_stream = open_stream
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         self._nursery: trio.Nursery | None = None
         substrate.set_handler(PROTOCOL_ID, self.handle)
@@ -251,7 +251,8 @@ class Averager:
             log.info("round %d: exchange with %s failed (%s); local step", r, partner, e)
 
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
-        stream = await self.open_stream(ID.from_base58(partner), PROTOCOL_ID)
+        open_stream = self.open_stream or self.substrate.open_stream
+        stream = await open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
             # never a lane beside a data channel: it has no address to dial
             lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \

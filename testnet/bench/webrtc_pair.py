@@ -129,7 +129,7 @@ async def private(args: argparse.Namespace) -> None:
         # averaging's handler is in place before any session (as in a node)
         avg = Averager(sub, "run", sub.peer_id.to_base58(), lambda: [key], codecs=["fp32"],
                        step_time=lambda: 30.0, inner_steps=1, open_stream=rtc.open_stream)
-        rtc.set_handler(avg.protocols[0], avg._handle)
+        rtc.set_handler(avg.protocols[0], avg.handle)
         started = time.monotonic()
         with trio.move_on_after(args.ice_timeout + 30):
             while not (key in rtc.paths() or rtc.failed):
