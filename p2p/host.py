@@ -372,9 +372,21 @@ class Substrate:
         if (ban := self.gate.banned(info.peer_id.to_base58())) is not None:
             raise DialError(addr, f"peer is banned ({ban.reason})")
         assert self.host is not None
+        network = self.host.get_network()
         try:
             with trio.fail_after(timeout):
-                await self.host.connect(info)
+                if network.get_connections(info.peer_id):
+                    await self.host.connect(info)  # reuses it (waits until it is ready)
+                else:
+                    # This address, not py-libp2p's pick: its dial_peer dials only the
+                    # first TCP address in the peerstore, so a peer whose first address is
+                    # a LAN one (behind a full-cone or UPnP NAT) was never dialed at the
+                    # public address it also advertises.
+                    self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 120)
+                    conn = await network.dial_addr(info.addrs[0], info.peer_id)  # type: ignore[attr-defined]
+                    started = getattr(conn, "event_started", None)
+                    if started is not None:
+                        await started.wait()
         except trio.TooSlowError:
             raise DialError(addr, f"no answer within {timeout:g} s") from None
         except Exception as e:

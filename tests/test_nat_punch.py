@@ -69,7 +69,7 @@ def test_two_symmetric_nat_nodes_try_to_punch_fail_and_stay_relayed(nat_availabl
                           neighbours={"node1": ["node2"]})
     topo = launcher.topology(net)
     assert topo is not None
-    boot, n1, n2 = net.procs
+    _, n1, n2 = net.procs
     ids = {p.name: answer(p)["peer_id"] for p in net.procs}
     driver, other = (n1, n2) if ids["node1"] < ids["node2"] else (n2, n1)
 
