@@ -228,9 +228,11 @@ class Substrate:
         return [str(a) for a in self.host.get_addrs()]
 
     def _advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        """--announce addresses, our listen addresses, then those announced at run time."""
+        """--announce addresses, those announced at run time (a UPnP mapping, the public
+        side of a full-cone NAT), then our listen addresses: a dialer tries them in order,
+        and behind a NAT the listen address is a LAN one that a silent NAT lets time out."""
         out: list[multiaddr.Multiaddr] = []
-        for a in [*self._configured, *candidates, *self._announced]:
+        for a in [*self._configured, *self._announced, *candidates]:
             if all(str(a) != str(b) for b in out):
                 out.append(a)
         return out

@@ -142,6 +142,9 @@ class HolePunchService:
                        "answered_punched": 0, "protocol_errors": 0}
         self.last_error: str | None = None
         self.roles: dict[str, str] = {}  # relayed peer -> "drives" / "answers" / why neither
+        # peers with a punch under way -> their direct connections before it: a new one is
+        # the punch's even before the punch returns (the path shows `punched` at once)
+        self._under_way: dict[str, list[Any]] = {}
         self._dcutr: DCUtRProtocol | None = None
         self._host: Any = None
         self.changed = trio.Event()  # set after each session (tests wait on it)
@@ -253,6 +256,7 @@ class HolePunchService:
             stream = await sub.host.new_stream(pid, [TProtocol(PROTOCOL_ID)])
         except Exception as e:
             raise PunchError(f"cannot open a DCUtR stream ({e})") from e
+        self._under_way[peer] = before
         try:
             ours = HolePunch(type=HolePunch.CONNECT)
             ours.ObsAddrs.extend(await dcutr._get_observed_addrs())
@@ -266,12 +270,14 @@ class HolePunchService:
                 await write_delimited_msg(stream, HolePunch(type=HolePunch.SYNC))
             await trio.sleep(min(rtt / 2, 2.0))
             ok = await dcutr._perform_hole_punch(pid, addrs, as_responder=True)
+            if ok:
+                self._mark(sub, pid, before)
         finally:
+            self._under_way.pop(peer, None)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.close()
         if not ok:
             raise PunchError(f"no dial to {', '.join(str(a) for a in addrs)} got through")
-        self._mark(sub, pid, before)
         nursery.start_soon(self._close_relayed_later, sub, pid)
 
     def _answer(self, sub: Substrate):
@@ -293,6 +299,7 @@ class HolePunchService:
                 await self._exchange(stream, ours, HolePunch.SYNC)
                 if not addrs:
                     raise PunchError("the peer sent no address we can dial")
+                self._under_way[peer] = before
                 if await dcutr._perform_hole_punch(pid, addrs):
                     self.counts["answered_punched"] += 1
                     self._mark(sub, pid, before)
@@ -307,6 +314,7 @@ class HolePunchService:
                 self.last_error = f"{peer}: {reason}"
                 log.warning("punch: a DCUtR session from %s failed: %s", peer, reason)
             finally:
+                self._under_way.pop(peer, None)
                 self.changed.set()
                 self.changed = trio.Event()
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
@@ -332,8 +340,17 @@ class HolePunchService:
                 self.punched_conns.add(c)
 
     def label(self, conn: Any) -> str | None:
-        """`punched` for a connection a punch opened (the path service asks)."""
-        return "punched" if conn in self.punched_conns else None
+        """`punched` for a connection a punch opened, or one that appeared during a punch
+        to its peer (the path service asks)."""
+        if conn in self.punched_conns:
+            return "punched"
+        try:
+            before = self._under_way.get(conn.muxed_conn.peer_id.to_base58())
+        except Exception:
+            return None
+        if before is not None and all(conn is not b for b in before) and not is_relayed(conn):
+            return "punched"
+        return None
 
     async def _close_relayed_later(self, sub: Substrate, pid: ID) -> None:
         """After a grace period (streams already on the circuit finish), close the relayed

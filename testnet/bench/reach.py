@@ -23,6 +23,7 @@ docs/benchmarks.md (section `reach`).
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -156,7 +157,8 @@ def pairs() -> list[tuple[str, str]]:
     return [(x, y) for i, x in enumerate(KINDS) for y in KINDS[i:]]
 
 
-def main(quick: bool = False, attempts: int | None = None, doc: Path | None = None) -> str:
+def main(quick: bool = False, attempts: int | None = None, doc: Path | None = None,
+         keep_logs: Path | None = None) -> str:
     from rich.console import Console
 
     reason = netns.available() or nat.missing_tools({"upnp"})
@@ -194,6 +196,8 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
             for agent in agents.values():
                 agent.stop()
             netns.destroy(topo)
+            if keep_logs is not None:
+                shutil.copytree(tmp, keep_logs, dirs_exist_ok=True)
     rows = table(results, n)
     headers = ["pair", "path (attempts)", "time to path: median [min-max]", "connected",
                "other outcomes"]
