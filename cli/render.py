@@ -48,7 +48,7 @@ def node_status_table(st: dict[str, Any]) -> Group:
             head.add_row("error", Text(t["error"], "red"))
     live = _peers(st)
     peers = Table(title=f"{len(live)} live peers", title_justify="left")
-    kinds = (st.get("paths") or {}).get("peers")
+    kinds = (st.get("peer_paths") or {}).get("peers")
     paths = ({peer: k["path"] for peer, k in kinds.items()} if kinds is not None
              else relay.get("paths") or {})
     for col in ("peer", "last seen", "device", "path", "rtt", "addrs"):
@@ -195,7 +195,7 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
             "id": short(st["peer_id"]),
             "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
             "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),
-            "paths": paths_cell(st.get("paths")),
+            "paths": paths_cell(st.get("peer_paths")),
             "step": _num(t.get("step"), "{:d}"),
             "loss": _num(t.get("loss"), "{:.3f}"),
             "val": _num(t.get("val_loss"), "{:.3f}"),

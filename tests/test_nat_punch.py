@@ -21,7 +21,7 @@ def nat_available() -> None:
 
 
 def paths(p: launcher.Proc) -> dict[str, dict]:
-    return (status(p).get("paths") or {}).get("peers") or {}
+    return (status(p).get("peer_paths") or {}).get("peers") or {}
 
 
 def punch(p: launcher.Proc) -> dict:

@@ -44,9 +44,9 @@ class StatusCollector(Collector):
         yield from averaging_families(st.get("averaging") or {})
         yield from dht_families((st.get("p2p") or {}).get("dht_operations") or {})
         yield from guard_families(st)
-        yield from path_families(st.get("paths") or {})
+        yield from path_families(st.get("peer_paths") or {})
         x = self.extra()
-        by_kind = (st.get("paths") or {}).get("by_kind")
+        by_kind = (st.get("peer_paths") or {}).get("by_kind")
         if by_kind:  # the path service's kinds (punched, upnp, ...) over the substrate's two
             x = {**x, "peers_by_path": by_kind}
         yield from extra_families(x)

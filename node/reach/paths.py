@@ -70,7 +70,7 @@ def _inbound(conn: Any) -> bool:
 
 
 class PathService:
-    name = "paths"
+    name = "peer_paths"  # (`paths` in /api/status is the metrics service's direct/relayed map)
     protocols = ()
 
     def __init__(self, labellers: Sequence[Labeller] = (), *,
