@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,6 +167,10 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
         raise BenchUnavailable(f"the reach benchmark builds NATs in network namespaces: {reason}")
     n = attempts or (3 if quick else 10)
     console = Console()
+    # SIGTERM (and SIGINT where a shell ignored it) unwinds like Ctrl-C: agents stopped,
+    # namespaces deleted
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     names = [*RELAYS, *(f"{k}{j}" for k in KINDS for j in (1, 2))]
     kinds = {name: name.rstrip("12") for name in names}
     kinds.update(dict.fromkeys(RELAYS, "public"))
@@ -198,9 +203,11 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
             netns.destroy(topo)
             if keep_logs is not None:
                 shutil.copytree(tmp, keep_logs, dirs_exist_ok=True)
-    rows = table(results, n)
-    headers = ["pair", "path (attempts)", "time to path: median [min-max]", "connected",
-               "other outcomes"]
+                (keep_logs / "results.json").write_text(json.dumps(
+                    [{"pair": list(k), "runs": v} for k, v in results.items()], indent=1))
+    rows = table(results, n, kinds)
+    headers = ["pair", "path (attempts)", "time from the first dial to that path: median "
+               "[min-max]", "connected", "other outcomes"]
     print_tables(console, [("reachability matrix", headers, rows)])
     body = "\n".join([
         "## Reachability matrix (`node bench reach`)",
@@ -210,9 +217,11 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
         "",
         f"NATs of the nat scenario in network namespaces (testnet/nat.py), no added delay. "
         f"{n} attempts per pair, each between two hosts started afresh (new identity and "
-        "port) running the node's reach services; the dialer alternates. Time: from the "
-        "first dial to the moment the final path appeared, on the dialer. A relayed path "
-        "is final once a punch failed or when no side is to punch.",
+        "port) running the node's reach services; the dialer alternates, and the time is "
+        "given for each side dialing. Time: from the first dial to the moment the final "
+        "path appeared, on the dialer (a dial tries the peer's advertised addresses in "
+        "order, 5 s each, as a node's redialer does). A relayed path is final once a "
+        "punch failed, or when no side is to punch.",
         "",
         md_table(headers, rows),
     ])
@@ -221,18 +230,34 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
     return body
 
 
-def table(results: dict[tuple[str, str], list[dict[str, Any]]], n: int) -> list[list[str]]:
+def table(results: dict[tuple[str, str], list[dict[str, Any]]], n: int,
+          kinds: dict[str, str]) -> list[list[str]]:
+    """One row per pair: the most common final path, the time to it when each side dials
+    (median and range), how many attempts connected, the other outcomes."""
     rows = []
     for (x, y), runs in results.items():
         paths = Counter(r["path"] for r in runs)
         best, count = paths.most_common(1)[0]
-        times = [r["s"] for r in runs if r["path"] == best and r.get("s") is not None]
         connected = sum(1 for r in runs if r["path"] in (*DIRECT, "relayed"))
         others = ", ".join(f"{p} {c}" for p, c in paths.items() if p != best) or "-"
-        span = (f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
-                if times else "-")
-        rows.append([f"{x} ↔ {y}", f"{best} ({count}/{n})", span, f"{connected}/{n}", others])
+        spans = []
+        for first in (x, y) if x != y else (x,):
+            times = [r["s"] for r in runs if r["path"] == best and r.get("s") is not None
+                     and (x == y or kinds.get(r.get("dialer", "")) == first)]
+            spans.append(f"{_span(times)}" if x == y else f"{first} dials: {_span(times)}")
+        rows.append([f"{x} ↔ {y}", f"{best} ({count}/{n})", "; ".join(spans),
+                     f"{connected}/{n}", others])
     return rows
+
+
+def _span(times: list[float]) -> str:
+    if not times:
+        return "-"
+    return f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _secs(s: float | None) -> str:
