@@ -105,6 +105,18 @@ def _ctx(sub: Substrate) -> SimpleNamespace:
     return SimpleNamespace(substrate=sub)
 
 
+def _refuse_dial_peer(sub: Substrate, peer) -> None:
+    network = sub.host.get_network()
+    dial_peer = network.dial_peer
+
+    async def refusing(peer_id, *args, **kwargs):
+        if peer_id == peer:
+            raise ConnectionRefusedError("behind a NAT (emulated)")
+        return await dial_peer(peer_id, *args, **kwargs)
+
+    network.dial_peer = refusing
+
+
 @pytest.fixture
 def punch_logs(caplog):
     caplog.set_level(logging.INFO, logger="node.punch")
@@ -119,7 +131,11 @@ async def test_a_relayed_pair_is_punched_by_one_side_and_shown_as_punched(punch_
     b = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     relays = {r: RelayService(lambda: "public", want=1, tick_s=0.2, direct=False),
               b: RelayService(lambda: "private", want=1, tick_s=0.2, direct=False)}
-    punches = {s: HolePunchService(lambda: "private", tick_s=0.2, close_relayed_after_s=0.5)
+    # On loopback the two simultaneous dials sometimes collide (both fail: the same
+    # 4-tuple from both ends, no NAT in between); the retry is what a lost round gets in
+    # the field too, here after 0.5 s instead of 30.
+    punches = {s: HolePunchService(lambda: "private", tick_s=0.2, close_relayed_after_s=0.5,
+                                   backoff=Backoff(first_s=0.5, max_s=0.5, attempts=6))
                for s in (a, b)}
     paths = {s: PathService([punches[s].label], every_s=0.2) for s in (a, b)}
     async with trio.open_nursery() as nursery:
@@ -128,6 +144,12 @@ async def test_a_relayed_pair_is_punched_by_one_side_and_shown_as_punched(punch_
             for svc in (relays.get(sub), punches.get(sub), paths.get(sub)):
                 if svc is not None:
                     await nursery.start(svc.run, _ctx(sub))
+        # On loopback a and b could dial each other's listen address: a lookup of the
+        # DHT did, now and then, and the pair was direct before any punch. Behind NATs
+        # they could not; here py-libp2p's dial_peer (what the DHT and connect use) is
+        # refused between them. The punch dials with dial_addr, as it does through NATs.
+        for me, them in ((a, b), (b, a)):
+            _refuse_dial_peer(me, them.peer_id)
         await b.connect(r.addrs()[0])
         await a.connect(r.addrs()[0])
         await await_until(lambda: relays[b].held, 20, "b's reservation on r")
@@ -139,13 +161,13 @@ async def test_a_relayed_pair_is_punched_by_one_side_and_shown_as_punched(punch_
         if driver is b:
             b.host.get_peerstore().add_addrs(a.peer_id, [Multiaddr(
                 f"{r.addrs()[0]}/p2p-circuit")], 600)
-        await await_until(lambda: punches[driver].counts["punched"] == 1, 30, "the punch")
+        await await_until(lambda: punches[driver].counts["punched"] == 1, 60, "the punch")
         peer_of = {a: b, b: a}
         for s in (a, b):
             await await_until(lambda s=s: paths[s].paths().get(
                 peer_of[s].peer_id.to_base58()) == "punched", 10, "the punched path")
         assert punches[other].counts["attempts"] == 0  # it only answered
-        assert punches[other].counts["answered_punched"] == 1
+        assert punches[other].counts["answered_punched"] >= 1
         # the relayed connection closes after its grace; the punched one carries on
         await await_until(lambda: all(p.startswith("/ip4/") for c in
                           driver.host.get_network().get_connections(peer_of[driver].peer_id)

@@ -243,7 +243,8 @@ class HolePunchService:
         use its punch, never its run() (its auto-drive and step-0 dials)."""
         if self._dcutr is None or self._host is not sub.host:
             self._host = sub.host
-            self._dcutr = DCUtRProtocol(sub.host, dial_timeout=self.dial_timeout_s)  # type: ignore[arg-type]
+            self._dcutr = DCUtRProtocol(_ListenAddrs(sub.host),  # type: ignore[arg-type]
+                                        dial_timeout=self.dial_timeout_s)
         return self._dcutr
 
     async def _punch(self, sub: Substrate, peer: str, nursery: trio.Nursery) -> None:
@@ -380,6 +381,22 @@ class HolePunchService:
                       for peer, p in self.schedule.peers.items()},
             "answering": sorted(p for p, r in self.roles.items() if r == "answers"),
         }
+
+
+class _ListenAddrs:
+    """The host as DCUtR sees it: `get_addrs` gives only our bound listen addresses.
+    py-libp2p binds its punch dials to the first TCP address of `get_addrs`, which also
+    lists announced ones (a UPnP mapping comes first): an address this machine does not
+    have. Everything else is the host itself."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+    def get_addrs(self) -> list[multiaddr.Multiaddr]:
+        return list(self._host.get_transport_addrs())
 
 
 async def _read(stream, expect: int) -> HolePunch:

@@ -197,6 +197,7 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
                     console.print(f"{x} <-> {y} #{i + 1}: {runs[-1]['path']} "
                                   f"{_secs(runs[-1].get('s'))}")
                 results[(x, y)] = runs
+                report(results, n, kinds, load, doc)  # so far: a cut-short run leaves these
         finally:
             for agent in agents.values():
                 agent.stop()
@@ -205,17 +206,27 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
                 shutil.copytree(tmp, keep_logs, dirs_exist_ok=True)
                 (keep_logs / "results.json").write_text(json.dumps(
                     [{"pair": list(k), "runs": v} for k, v in results.items()], indent=1))
-    rows = table(results, n, kinds)
-    headers = ["pair", "path (attempts)", "time from the first dial to that path: median "
-               "[min-max]", "connected", "other outcomes"]
-    print_tables(console, [("reachability matrix", headers, rows)])
+    body = report(results, n, kinds, load, doc)
+    print_tables(console, [("reachability matrix", HEADERS, table(results, n, kinds))])
+    return body
+
+
+HEADERS = ["pair", "path (attempts)", "time from the first dial to that path: median "
+           "[min-max]", "connected", "other outcomes"]
+
+
+def report(results: dict[tuple[str, str], list[dict[str, Any]]], n: int,
+           kinds: dict[str, str], load: list[float], doc: Path | None) -> str:
+    """The section of docs/benchmarks.md for the pairs measured so far."""
+    done = "" if len(results) == len(pairs()) else (
+        f" **Cut short: {len(results)} of {len(pairs())} pairs measured.**")
     body = "\n".join([
         "## Reachability matrix (`node bench reach`)",
         "",
         f"{machine()}; load average {min(load):.1f}-{max(load):.1f} during the run "
-        f"(a machine shared with other work).",
+        f"(a machine shared with other work).{done}",
         "",
-        f"NATs of the nat scenario in network namespaces (testnet/nat.py), no added delay. "
+        "NATs of the nat scenario in network namespaces (testnet/nat.py), no added delay. "
         f"{n} attempts per pair, each between two hosts started afresh (new identity and "
         "port) running the node's reach services; the dialer alternates, and the time is "
         "given for each side dialing. Time: from the first dial to the moment the final "
@@ -223,7 +234,7 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
         "order, 5 s each, as a node's redialer does). A relayed path is final once a "
         "punch failed, or when no side is to punch.",
         "",
-        md_table(headers, rows),
+        md_table(HEADERS, table(results, n, kinds)),
     ])
     write_section("reach", body, doc or Path(__file__).resolve().parents[2] / "docs" /
                   "benchmarks.md")
