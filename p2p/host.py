@@ -444,6 +444,11 @@ class Substrate:
             raise DialError(addr, str(e)) from None
         except Exception as e:
             raise DialError(addr, _dial_reason(e)) from e
+        # Remember where it answered: the hole-punch service tells a private peer (one
+        # with relayed addresses) by them, before identify has told us.
+        with contextlib.suppress(Exception):
+            self.host.get_peerstore().add_addrs(
+                peer, [multiaddr.Multiaddr(addr.rsplit("/p2p/", 1)[0])], 600)
         return peer
 
     async def open_stream(self, peer: ID, protocol: str) -> INetStream:

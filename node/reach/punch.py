@@ -271,8 +271,7 @@ class HolePunchService:
                 await write_delimited_msg(stream, HolePunch(type=HolePunch.SYNC))
             await trio.sleep(min(rtt / 2, 2.0))
             ok = await dcutr._perform_hole_punch(pid, addrs, as_responder=True)
-            if ok:
-                self._mark(sub, pid, before)
+            ok = self._mark(sub, pid, before) or ok
         finally:
             self._under_way.pop(peer, None)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
@@ -301,9 +300,9 @@ class HolePunchService:
                 if not addrs:
                     raise PunchError("the peer sent no address we can dial")
                 self._under_way[peer] = before
-                if await dcutr._perform_hole_punch(pid, addrs):
+                ok = await dcutr._perform_hole_punch(pid, addrs)
+                if self._mark(sub, pid, before) or ok:  # its SYN or ours: a new connection
                     self.counts["answered_punched"] += 1
-                    self._mark(sub, pid, before)
                     log.info("punch: direct connection to %s (it drove the punch)", peer)
                 else:
                     log.info("punch: %s drove a punch; no dial got through", peer)
@@ -334,11 +333,13 @@ class HolePunchService:
         assert sub.host is not None
         return [c for c in sub.host.get_network().get_connections(pid) if not is_relayed(c)]
 
-    def _mark(self, sub: Substrate, pid: ID, before: list[Any]) -> None:
-        """Label the direct connections the punch opened (those not there before)."""
-        for c in self._direct_conns(sub, pid):
-            if all(c is not b for b in before):
-                self.punched_conns.add(c)
+    def _mark(self, sub: Substrate, pid: ID, before: list[Any]) -> bool:
+        """Label the direct connections the punch opened (those not there before: ours,
+        or the peer's dial that got in); True if there is one."""
+        new = [c for c in self._direct_conns(sub, pid) if all(c is not b for b in before)]
+        for c in new:
+            self.punched_conns.add(c)
+        return bool(new)
 
     def label(self, conn: Any) -> str | None:
         """`punched` for a connection a punch opened, or one that appeared during a punch

@@ -64,6 +64,16 @@ class Incarnation:
                 self.nursery = nursery
                 task_status.started()
 
+    async def close(self) -> None:
+        """Close every connection (peers see it go, and a relay frees our slot), then
+        stop. Cancelling alone left the sockets open: the relays counted the old
+        identities as connected and their slots as taken."""
+        host = self.sub.host
+        if host is not None:
+            with trio.move_on_after(5):
+                await host.get_network().close()
+        self.scope.cancel()
+
     def state(self, peer: str | None) -> dict[str, Any]:
         path = self.paths.paths().get(peer) if peer else None
         return {"peer_id": self.sub.peer_id.to_base58(), "addrs": self.sub.addrs(),
@@ -114,7 +124,7 @@ async def main(ip: str, relays: list[str]) -> None:
             try:
                 if cmd == "reset":
                     if current is not None:
-                        current.scope.cancel()
+                        await current.close()
                     current = Incarnation(ip)
                     await outer.start(current.run, relays)
                     out = current.state(None)
