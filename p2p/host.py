@@ -377,7 +377,7 @@ class Substrate:
         network = self.host.get_network()
         try:
             with trio.fail_after(timeout):
-                if network.get_connections(info.peer_id):
+                if network.get_connections(info.peer_id) or not info.addrs:
                     await self.host.connect(info)  # reuses it (waits until it is ready)
                 else:
                     # This address, not py-libp2p's pick: its dial_peer dials only the
