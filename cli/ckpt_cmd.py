@@ -127,7 +127,8 @@ def pull(
         run_async(main)
     r = reports[0]
     m, res = r.manifest, r.result
-    providers = {p: {"bytes": n, "chunks": res.chunks_by_peer.get(p, 0)}
+    providers = {p: {"bytes": n, "chunks": res.chunks_by_peer.get(p, 0),
+                     "path": res.paths.get(p, "stream")}
                  for p, n in sorted(res.bytes_by_peer.items())} if res else {}
     if as_json:
         print(json.dumps({

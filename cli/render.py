@@ -37,20 +37,27 @@ def node_status_table(st: dict[str, Any]) -> Group:
     punch = st.get("punch") or {}
     if punch.get("attempts") or punch.get("answered") or punch.get("error"):
         head.add_row("hole punching", punch_line(punch))
-    t = st.get("training")
+    pipe = st.get("pipeline")
+    t = st.get("training") or (pipe or {}).get("training")
+    if pipe:
+        for label, line in pipeline_lines(pipe):
+            head.add_row(label, line)
     if t:
         head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
                      f", val {_num(t['val_loss'], '{:.3f}')}, compute {t['compute_fraction']:.0%}")
+    if t and not pipe:
         head.add_row("averaging", f"{t['rounds_averaged']} rounds averaged, "
                      f"{t['rounds_local']} local; last partner {short(t['last_partner'])}; "
                      f"sent {_bytes(t['bytes_sent'])}, received {_bytes(t['bytes_received'])}")
-        if t.get("error"):
-            head.add_row("error", Text(t["error"], "red"))
+    if t and t.get("error"):
+        head.add_row("error", Text(t["error"], "red"))
     live = _peers(st)
     peers = Table(title=f"{len(live)} live peers", title_justify="left")
     kinds = (st.get("peer_paths") or {}).get("peers")
     paths = ({peer: k["path"] for peer, k in kinds.items()} if kinds is not None
              else relay.get("paths") or {})
+    # a WebRTC data channel (node/webrtc/) replaces a relayed path for our streams
+    paths = {**paths, **((st.get("webrtc") or {}).get("paths") or {})}
     for col in ("peer", "last seen", "device", "path", "rtt", "addrs"):
         peers.add_column(col, justify="right" if col == "rtt" else "left")
     for p in live:
@@ -63,6 +70,27 @@ def node_status_table(st: dict[str, Any]) -> Group:
     if bans:
         parts += [Text(""), _bans(bans)]
     return Group(*parts)
+
+
+def pipeline_lines(pipe: dict[str, Any]) -> list[tuple[str, str]]:
+    """`node status`'s pipeline rows: this node's stage, its traffic, the stage map."""
+    stage = pipe.get("stage")
+    lines = [("pipeline", f"stage {_num(stage, '{:d}')} of {pipe.get('stages')} "
+                          f"({pipe.get('phase')}; {pipe.get('moves', 0)} moves)")]
+    w = pipe.get("worker") or {}
+    if w:
+        per_mb = pipe.get("bytes_per_micro_batch") or {}
+        lines.append(("micro-batches", f"{w['micro_batches']} done, {w['dropped']} dropped, "
+                      f"{w['stale']} stale, {w['micro_batches_per_s']}/s; "
+                      + ", ".join(f"{k} {_bytes(v)}/mb" for k, v in per_mb.items())))
+    refused = pipe.get("refused") or {}
+    if refused:
+        lines.append(("refused", ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))))
+    smap = pipe.get("map") or {}
+    lines.append(("stage map", "\n".join(
+        f"{s}: {', '.join(short(p) for p in hosts) or 'NO HOST'}"
+        + (" (this node)" if str(stage) == s else "") for s, hosts in smap.items())))
+    return lines
 
 
 def reach_line(reach: dict[str, Any]) -> Text:
@@ -169,6 +197,8 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
     if compact:
         columns.remove("id")
         columns.remove("paths")  # 80 columns: `node status` shows each path
+    if any((r.get("status") or {}).get("pipeline") for r in rows):
+        columns.insert(columns.index("phase") + 1, "stage")
     if churn:
         columns.insert(columns.index("phase") + 1, "kills")
         from testnet.churn import describe
@@ -185,13 +215,15 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
                          kills=str((churn or {}).get("per_node", {}).get(r["name"], 0)))
             table.add_row(*(cells[c] for c in columns))
             continue
-        t = st.get("training") or {}
+        pipe = st.get("pipeline") or {}
+        t = st.get("training") or pipe.get("training") or {}
         vm = t.get("val_metrics") or {}
         phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
         style = "green" if phase in ("running", "training") else "yellow"
         cells = {
             "node": r["name"],
             "kills": str((churn or {}).get("per_node", {}).get(r["name"], 0)),
+            "stage": _num(pipe.get("stage"), "{:d}"),
             "id": short(st["peer_id"]),
             "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
             "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),

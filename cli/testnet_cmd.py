@@ -51,8 +51,14 @@ def up(
              "poisoned model (docs/robustness.md). 'partition' (root): every process in a "
              "network namespace of its own, for `node testnet partition` and `heal`. "
              "'churn': SIGKILL and restart random nodes at --kill-rate (docs/operator.md). "
-             "'nat' (root): a WAN with nodes behind NATs of --kinds (docs/nat.md).")]
+             "'nat' (root): a WAN with nodes behind NATs of --kinds (docs/nat.md). "
+             "'pipeline': a GPT cut into --stages stages, --replicas nodes each "
+             "(docs/pipeline.md).")]
     = None,
+    stages: Annotated[int | None, typer.Option(
+        help="pipeline scenario: stages (one transformer block each; default 4).")] = None,
+    replicas: Annotated[int | None, typer.Option(
+        help="pipeline scenario: nodes per stage (default 1); overrides --nodes.")] = None,
     honest: Annotated[int | None, typer.Option(help="sybil scenario: honest nodes.")] = None,
     sybils: Annotated[int, typer.Option(help="sybil scenario: the attacker's identities.")] = 4,
     attack: Annotated[str, typer.Option(help="sybil scenario: label-flip or backdoor.")]
@@ -93,8 +99,19 @@ def up(
     directory = directory or launcher.default_dir()
     page_at = _page_addr(page, no_page, detach)
     extra = ["--no-train"] if no_train else []
-    if scenario not in (None, "sybil", "partition", "churn", "nat"):
-        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat", 2)
+    if scenario not in (None, "sybil", "partition", "churn", "nat", "pipeline"):
+        raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat, "
+                   "pipeline", 2)
+    if scenario != "pipeline" and (stages is not None or replicas is not None):
+        raise fail("--stages and --replicas apply to the pipeline scenario only: add "
+                   "--scenario pipeline", 2)
+    if scenario == "pipeline":
+        stages, replicas = stages or 4, replicas or 1
+        if not 2 <= stages <= 64 or not 1 <= replicas <= 16:
+            raise fail(f"--stages {stages} --replicas {replicas}: expected 2..64 stages and "
+                       "1..16 replicas", 2)
+        nodes = stages * replicas
+        manifest = manifest or launcher.scenario_manifest_path("pipeline")
     nat_kinds = _nat_kinds(scenario, kinds)
     if nat_kinds is not None:
         nodes = len(nat_kinds)
@@ -136,6 +153,7 @@ def up(
                               sybils=sybils if scenario == "sybil" else 0, attack=attack,
                               aggregator=aggregator, netns=scenario == "partition",
                               churn=churn_config, rate=rate, rtt_ms=rtt_ms,
+                              stages=stages if scenario == "pipeline" else None,
                               nat={f"node{i}": k for i, k in enumerate(nat_kinds or [], 1)
                                    if k != "public"} if scenario == "nat" else None,
                               on_progress=lambda m: spinner.update(m))
@@ -426,3 +444,26 @@ def heal(directory: Dir = None) -> None:
     except launcher.TestnetError as e:
         raise fail(str(e)) from None
     err.print("healed: every node can reach every other again")
+
+
+@app.command("kill-stage")
+def kill_stage(
+    stage: Annotated[int, typer.Argument(help="The pipeline stage whose every host dies.")],
+    directory: Dir = None,
+    no_replace: Annotated[bool, typer.Option(
+        "--no-replace", help="Start no replacement node (the stage stays lost).")] = False,
+    as_json: Json = False,
+) -> None:
+    """SIGKILL every host of a stage of a `--scenario pipeline` testnet, then start a
+    replacement node that takes the stage and rebuilds it from its neighbours (CheckFree),
+    with no human step (docs/pipeline.md)."""
+    net = _load(directory or launcher.default_dir())
+    try:
+        killed, new = launcher.kill_stage(net, stage, replace=not no_replace)
+    except launcher.TestnetError as e:
+        raise fail(str(e)) from None
+    if as_json:
+        print_json({"stage": stage, "killed": killed, "replacement": new})
+        return
+    err.print(f"killed stage {stage}: {' '.join(killed)}"
+              + (f"; {new} joins to recover it" if new else ""), markup=False)

@@ -56,6 +56,7 @@ from node.run.store import RunStore
 from node.service import NodeContext, RunContext, Service
 from node.status.control import ControlService
 from node.training.data_check import check_training_data
+from node.webrtc.service import WebRtcService
 from p2p.gate import Gate
 from p2p.host import Substrate
 from p2p.identity import IdentityError, load_or_create_identity
@@ -109,6 +110,9 @@ class Node:
                                       progress_s=config.progress_s)
         reach = ReachabilityService(upnp=config.upnp)
         punch = HolePunchService(reach.verdict)
+        # WebRTC data channels to peers reached only through a relay (node/webrtc/);
+        # averaging opens its streams through it (below).
+        self.webrtc = WebRtcService(reach.verdict)
         # Path kinds other services label (the punch's; a WebRTC transport adds its own).
         self.paths = PathService([punch.label], upnp_mapped=reach.mapped)
         self.services: list[Service] = [
@@ -123,6 +127,7 @@ class Node:
             reach,
             RelayService(reach.verdict),
             punch,
+            self.webrtc,
             self.paths,
             *([self.mdns] if self.mdns else []),
         ]
@@ -207,7 +212,11 @@ class Node:
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
-        if config.train:
+        if config.train and manifest.pipeline is not None:
+            # A stage host pulls no checkpoint (none is written for stages yet): torch can
+            # load now, beside the stage choice.
+            preload.start()
+        elif config.train:
             from node.checkpoints.service import CheckpointService
             from node.training.build import check_swarm_algorithm
 
@@ -238,7 +247,14 @@ class Node:
         ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
         if not config.train:
             return []
+        if ctx.the_run().manifest.pipeline is not None:
+            from node.pipe.service import PipelineService
+
+            run = ctx.the_run()
+            return [PipelineService(run.manifest, run.run_id, run.progress, config.data,
+                                    device=ctx.device)]
         from node.averaging.history_gossip import HistoryGossip
+        from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager
         from node.training.build import build_training, neighbours
         from node.training.service import TrainingService
@@ -259,7 +275,9 @@ class Node:
                 step_time=run.progress.step_time, inner_steps=m.outer.inner_steps,
                 stats=run.progress, neighbours=neighbours(m),
                 fixed_neighbours=config.neighbours or None,
-                after_round=history.after_round if history else None)
+                after_round=history.after_round if history else None,
+                open_stream=self.webrtc.open_stream)
+            self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
         services.append(TrainingService(
             lambda: build_training(m, ctx.peer_id, ctx.device, config.data,

@@ -71,6 +71,9 @@ class RunContext:
     # The trainer thread's outer optimizer, once built (SybilWall's history table lives in
     # its aggregator); None before that and on nodes that do not train.
     outer: Any = None
+    # The pipeline stage this node hosts (pipeline runs: node/pipe/service.py); None else.
+    stage: int | None = None
+    stage_training: bool = False  # its worker runs (placement moves others first)
 
 
 @dataclass
@@ -97,7 +100,12 @@ class NodeContext:
         stats: dict[str, Any] = {"uptime": round(time.monotonic() - self.phases.started, 1)}
         if self.run is not None:
             p = self.run.progress
-            stats.update(step=p.step, loss=p.loss, val=p.val_loss)
+            stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
+                         gnorm=p.grad_norm)  # CheckFree weighs a lost stage's neighbours by it
+            if self.run.stage is not None:  # when written: gossip can deliver it late
+                stats["t"] = round(time.time(), 1)
+            if self.run.stage_training:
+                stats["staged"] = 1
         return {k: v for k, v in stats.items() if v is not None}
 
     def the_run(self) -> RunContext:

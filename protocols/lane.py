@@ -1,4 +1,5 @@
-"""The bulk lane: tensors on a raw TCP connection, sealed with AES-256-GCM.
+"""The bulk lane: tensors (and checkpoint chunks) on a raw TCP connection, sealed with
+AES-256-GCM.
 
 py-libp2p moves ~210 MB/s per connection, CPU-bound in Noise and Yamux (notes/libp2p.md
 §3); raw TCP on the same machine moves ~2 GB/s and AES-GCM (AES-NI) seals several GB/s.
@@ -38,7 +39,8 @@ MAX_RECORD = MAX_PLAINTEXT + TAG_BYTES
 
 #: One sealed record, checked on its 4-byte length; the frames inside are averaging's.
 LIMITS = StreamLimits("tcp+aes256gcm/2 lane record", MAX_RECORD, framed=False,
-                      note="the averaging swap's, derived from the partner's measured rate")
+                      note="averaging: the swap's, derived from the partner's measured rate; "
+                           "checkpoints: 30 s per chunk")
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size
 

@@ -98,14 +98,18 @@ DECLARATIONS: Final = (
     ("protocols.manifest_exchange", "RESPONSE_LIMITS"),
     ("protocols.ckpt_exchange", "REQUEST_LIMITS"),
     ("protocols.ckpt_exchange", "RESPONSE_LIMITS"),
+    ("protocols.ckpt_exchange", "LANE_HEADER_LIMITS"),
     ("protocols.rundoc", "SYNC_LIMITS"),
     ("protocols.rundoc", "GOSSIP_LIMITS"),
     ("protocols.averaging", "LIMITS"),
     ("protocols.lane", "LIMITS"),
     ("protocols.pipeline", "LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_REQUEST_LIMITS"),
+    ("protocols.pipeline", "WEIGHTS_RESPONSE_LIMITS"),
     ("protocols.history", "LIMITS"),
     ("protocols.heartbeat", "LIMITS"),
     ("protocols.records", "LIMITS"),
+    ("protocols.webrtc_signal", "LIMITS"),
 )
 
 

@@ -3,8 +3,11 @@
 One stream per (sender, receiver) pair carries a sequence of messages, each a wire
 envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
 
-    pipe.act  {run, stage, step, mb, shape, dtype}   then tensor frame "x"
-    pipe.grad {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+    pipe.act   {run, stage, step, mb, shape, dtype}   then tensor frame "x"
+    pipe.grad  {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+    pipe.tgt   (first -> last stage) a micro-batch's target token ids, int64 [b, seq, 1]
+    pipe.tgrad (last -> first) the tied head's gradient, [1, vocab, d_model], mb 0
+    pipe.tied  (first -> last) the updated tied matrix for `step`, [1, vocab, d_model]
 
 `stage` is the stage the tensor is *for* (the receiver's): activations come from stage - 1,
 gradients from stage + 1. `step` and `mb` (micro-batch) name the micro-batch, so the
@@ -60,10 +63,13 @@ MAX_STEP: Final = 2**62
 MAX_MICRO_BATCHES: Final = 4096  # as the manifest allows
 RUN_ID_MAX: Final = 64
 
-Kind = Literal["act", "grad"]
-_TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad"}
+Kind = Literal["act", "grad", "tgt", "tgrad", "tied"]
+_TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad", "tgt": "pipe.tgt",
+                 "tgrad": "pipe.tgrad", "tied": "pipe.tied"}
 _KINDS: Final = {v: k for k, v in _TYPES.items()}
-_NAMES: Final = {"act": "x", "grad": "g"}
+_NAMES: Final = {"act": "x", "grad": "g", "tgt": "y", "tgrad": "tg", "tied": "w"}
+TARGET_DTYPE: Final = "int64"
+ALL_KINDS: Final = frozenset(_TYPES)
 _BODY_KEYS: Final = frozenset({"run", "stage", "step", "mb", "shape", "dtype"})
 
 #: The ceilings of a pipe stream; a receiver narrows the tensor bound to its Expect.
@@ -72,7 +78,8 @@ LIMITS: Final = StreamLimits(
     MAX_ENVELOPE_BYTES,
     MAX_TENSOR_BYTES,
     frozenset({CODEC}),
-    note="per micro-batch; derived from the stage's measured rate (not live yet)",
+    note="none per stream (long-lived); each write 30 s, a step waits 4x its measured "
+         "time (>= 5 s)",
 )
 
 
@@ -87,9 +94,10 @@ class Expect:
     max_seq: int  # the model's context
     micro_batches: int
     kinds: frozenset[str] = frozenset({"act", "grad"})
+    vocab: int = 256  # the tied matrix is [1, vocab, d_model]; targets are < vocab
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "max_batch", "max_seq", "micro_batches"):
+        for name in ("d_model", "max_batch", "max_seq", "micro_batches", "vocab"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise LocalProtocolError(f"Expect.{name} must be an int >= 1")
         if type(self.stage) is not int or self.stage < 0:
@@ -100,7 +108,15 @@ class Expect:
 
     @property
     def max_bytes(self) -> int:
-        return self.max_batch * self.max_seq * self.d_model * 2  # bfloat16
+        """The largest tensor of the kinds this stage accepts."""
+        sizes = [0]
+        if self.kinds & {"act", "grad"}:
+            sizes.append(self.max_batch * self.max_seq * self.d_model * 2)  # bfloat16
+        if "tgt" in self.kinds:
+            sizes.append(self.max_batch * self.max_seq * 8)  # int64
+        if self.kinds & {"tgrad", "tied"}:
+            sizes.append(self.vocab * self.d_model * 2)
+        return max(sizes)
 
     def limits(self) -> StreamLimits:
         return replace(LIMITS, max_tensor_bytes=self.max_bytes)
@@ -118,7 +134,9 @@ class MessageHeader:
 
 @dataclass(frozen=True, slots=True)
 class TensorReceived:
-    """A micro-batch's activations (kind "act") or gradients ("grad"), fp32, checked."""
+    """A micro-batch's activations (kind "act") or gradients ("grad"), fp32, checked;
+    targets ("tgt") as int64 (batch, seq) within the vocabulary; the tied matrix or its
+    gradient ("tied", "tgrad") as fp32 (vocab, d_model)."""
 
     header: MessageHeader
     tensor: torch.Tensor
@@ -138,14 +156,21 @@ Event = TensorReceived | Refused
 
 def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor
            ) -> list[bytes | memoryview]:
-    """The gather list for one message: the tensor is cast to bfloat16 (a copy) first."""
+    """The gather list for one message: the tensor is cast to bfloat16 (a copy) first;
+    targets ("tgt": token ids (batch, seq)) travel as int64 (batch, seq, 1), the tied
+    matrix and its gradient (vocab, d_model) as (1, vocab, d_model)."""
     import torch
 
     if kind not in _TYPES:
-        raise LocalProtocolError(f"kind must be 'act' or 'grad', not {kind!r}")
+        raise LocalProtocolError(f"kind must be one of {sorted(_TYPES)}, not {kind!r}")
+    if kind == "tgt" and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(-1)
+    if kind in ("tgrad", "tied") and tensor.dim() == 2:
+        tensor = tensor.unsqueeze(0)
     if tensor.dim() != 3:
         raise LocalProtocolError(f"tensor must be (batch, seq, d_model), got {tuple(tensor.shape)}")
-    wire = tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    dt = torch.int64 if kind == "tgt" else torch.bfloat16
+    wire = tensor.detach().to(device="cpu", dtype=dt).contiguous()
     dtype, shape, view = tensor_payload(wire)
     body = {"run": run, "stage": stage, "step": step, "mb": mb, "shape": list(shape),
             "dtype": dtype}
@@ -173,6 +198,12 @@ class PipeReceiver:
         self._decoder = expect.limits().decoder(payload_buffer=self._check_tensor_header)
         self.received = 0
         self.refused = 0
+
+    @property
+    def between_messages(self) -> bool:
+        """No part of a message is buffered: a stream that ends here ended cleanly."""
+        d = self._decoder
+        return self.state is State.HEADER and not d._buffer and d._payload is None
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._alive()
@@ -226,13 +257,22 @@ class PipeReceiver:
         if body["mb"] >= e.micro_batches:
             return f"micro-batch {body['mb']} >= the run's {e.micro_batches} per step"
         b, t, d = body["shape"]
-        if d != e.d_model:
+        if kind in ("tgrad", "tied"):
+            if [b, t, d] != [1, e.vocab, e.d_model]:
+                return (f"shape {body['shape']}: the tied matrix is "
+                        f"{[1, e.vocab, e.d_model]}")
+        elif kind == "tgt":
+            if d != 1:
+                return f"shape {body['shape']}: targets are [batch, seq, 1]"
+        elif d != e.d_model:
             return f"shape {body['shape']}: d_model {d} is not the model's {e.d_model}"
-        if not (1 <= b <= e.max_batch and 1 <= t <= e.max_seq):
+        if kind not in ("tgrad", "tied") and not (1 <= b <= e.max_batch
+                                                 and 1 <= t <= e.max_seq):
             return (f"shape {body['shape']}: batch must be 1..{e.max_batch} and sequence "
                     f"1..{e.max_seq}")
-        if body["dtype"] != WIRE_DTYPE:
-            return f"dtype {_short(body['dtype'])}: the wire carries {WIRE_DTYPE}"
+        want = _dtype(kind)
+        if body["dtype"] != want:
+            return f"dtype {_short(body['dtype'])}: the wire carries {want} for {kind}"
         return None
 
     def _check_tensor_header(self, header: TensorHeader) -> None:
@@ -243,15 +283,17 @@ class PipeReceiver:
         if header.name != _NAMES[p.kind]:
             raise RemoteProtocolError(f"tensor {_short(header.name)} where "
                                       f"{_NAMES[p.kind]!r} was announced")
-        if header.dtype != WIRE_DTYPE or header.codec != CODEC:
+        want = _dtype(p.kind)
+        if header.dtype != want or header.codec != CODEC:
             raise RemoteProtocolError(f"tensor is {_short(header.dtype)}/{_short(header.codec)}"
-                                      f", announced {WIRE_DTYPE}/{CODEC}")
+                                      f", announced {want}/{CODEC}")
         if tuple(header.shape) != p.shape:
             raise RemoteProtocolError(f"tensor shape {list(header.shape)} is not the announced "
                                       f"{list(p.shape)}")
-        if header.length != math.prod(p.shape) * 2:
+        size = 8 if want == TARGET_DTYPE else 2
+        if header.length != math.prod(p.shape) * size:
             raise RemoteProtocolError(f"tensor of {header.length} bytes; {list(p.shape)} "
-                                      f"{WIRE_DTYPE} is {math.prod(p.shape) * 2}")
+                                      f"{want} is {math.prod(p.shape) * size}")
         return None
 
     def _on_tensor(self, frame: TensorFrame) -> Event:
@@ -262,14 +304,29 @@ class PipeReceiver:
             raise RemoteProtocolError(f"tensor frame id {frame.id} is not micro-batch {p.mb}")
         self._pending = None
         self.state = State.HEADER
-        tensor = tensor_from_payload(frame.header, frame.payload).float()
+        tensor = tensor_from_payload(frame.header, frame.payload)
         import torch
 
+        if p.kind == "tgt":
+            tensor = tensor.squeeze(-1)
+            if tensor.numel() and not bool(((tensor >= 0) & (tensor < self.expect.vocab)).all()):
+                self.refused += 1
+                return Refused(p, f"targets of step {p.step} micro-batch {p.mb} fall outside "
+                                  f"the vocabulary 0..{self.expect.vocab - 1}")
+            self.received += 1
+            return TensorReceived(p, tensor)
+        tensor = tensor.float()
+        if p.kind in ("tgrad", "tied"):
+            tensor = tensor.squeeze(0)
         if not bool(torch.isfinite(tensor).all()):
             self.refused += 1
             return Refused(p, f"{p.kind} of step {p.step} micro-batch {p.mb} holds NaN or inf")
         self.received += 1
         return TensorReceived(p, tensor)
+
+
+def _dtype(kind: str) -> str:
+    return TARGET_DTYPE if kind == "tgt" else WIRE_DTYPE
 
 
 def _body_problem(body: Any) -> str | None:
@@ -297,3 +354,186 @@ def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
+
+
+# -- `/peertrain/pipe-weights/1.0.0`: a stage's weights, for recovery ----------------------
+#
+# CheckFree rebuilds a lost stage from its neighbours' weights, and a stage that still has
+# a live replica is copied from it. The asker sends one envelope and reads one answer:
+#
+#     ask:    pipe.wget {run, stage, part: "blocks" | "all"}
+#     answer: pipe.weights {run, stage, step, gnorm, names, shapes} then one fp32 tensor
+#             frame per name, in order;  or  pipe.wnone {reason}
+#
+# The asker knows every stage's layout (it cuts the same manifest), so `WeightsReceiver`
+# is built with the exact names and shapes it accepts and checks the answer's envelope
+# and every tensor header against them before anything is allocated; a non-finite value
+# refuses the whole answer. `gnorm` is the stage's last gradient norm after clipping (the
+# asker validates it: node/recovery/checkfree.check_grad_norm).
+
+WEIGHTS_PROTOCOL_ID: Final = "/peertrain/pipe-weights/1.0.0"
+WEIGHTS_DTYPE: Final = "float32"
+MAX_WEIGHT_TENSORS: Final = 4096
+_WEIGHTS_BODY: Final = frozenset({"run", "stage", "step", "gnorm", "names", "shapes"})
+WEIGHTS_DEADLINE_S: Final = 60.0
+#: What a stage host reads from an asker: one small envelope, no tensor.
+WEIGHTS_REQUEST_LIMITS: Final = StreamLimits(WEIGHTS_PROTOCOL_ID + " request", 512,
+                                             deadline_s=WEIGHTS_DEADLINE_S)
+#: What the asker reads; its own bound is the largest tensor of the stage it asked for.
+WEIGHTS_RESPONSE_LIMITS: Final = StreamLimits(WEIGHTS_PROTOCOL_ID + " response", 1 << 20,
+                                              MAX_TENSOR_BYTES, frozenset({CODEC}),
+                                              deadline_s=WEIGHTS_DEADLINE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReceived:
+    stage: int
+    step: int
+    gnorm: float
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class NoWeights:
+    reason: str
+
+
+PARTS: Final = ("blocks", "all")  # the transformer blocks (CheckFree), or the whole stage
+
+
+def encode_weights_request(run: str, stage: int, part: str = "all") -> bytes:
+    if part not in PARTS:
+        raise LocalProtocolError(f"part must be one of {PARTS}, not {part!r}")
+    return encode_envelope(Envelope("pipe.wget", 0, {"run": run, "stage": stage, "part": part}),
+                           max_frame_bytes=MAX_ENVELOPE_BYTES)
+
+
+def check_weights_request(env: Any, run: str) -> tuple[int, str]:
+    """(stage, part) a `pipe.wget` envelope asks for (RemoteProtocolError if malformed)."""
+    if not isinstance(env, Envelope) or env.type != "pipe.wget":
+        raise RemoteProtocolError(f"expected pipe.wget, got {_short(getattr(env, 'type', env))}")
+    body = env.body
+    if not isinstance(body, dict) or set(body) != {"run", "stage", "part"}:
+        raise RemoteProtocolError("pipe.wget body must be {run, stage, part}")
+    if body["part"] not in PARTS:
+        raise RemoteProtocolError(f"part must be one of {PARTS}, got {_short(body['part'])}")
+    if body["run"] != run:
+        raise RemoteProtocolError(f"run {_short(body['run'])} is not this stream's run {run}")
+    if type(body["stage"]) is not int or not 0 <= body["stage"] < 256:
+        raise RemoteProtocolError(f"stage must be an int in [0, 256), got {_short(body['stage'])}")
+    return body["stage"], body["part"]
+
+
+def encode_no_weights(reason: str) -> bytes:
+    return encode_envelope(Envelope("pipe.wnone", 0, {"reason": reason[:200]}),
+                           max_frame_bytes=MAX_ENVELOPE_BYTES)
+
+
+def encode_weights(run: str, stage: int, step: int, gnorm: float,
+                   tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """The answer's gather list: envelope, then one fp32 tensor frame per name."""
+    import torch
+
+    names = sorted(tensors)
+    wire = {k: tensors[k].detach().to(device="cpu", dtype=torch.float32).contiguous()
+            for k in names}
+    body = {"run": run, "stage": stage, "step": step, "gnorm": float(gnorm), "names": names,
+            "shapes": [list(wire[k].shape) for k in names]}
+    out: list[bytes | memoryview] = [encode_envelope(Envelope("pipe.weights", 0, body),
+                                                     max_frame_bytes=1 << 20)]
+    for k in names:
+        dtype, shape, view = tensor_payload(wire[k])
+        header = make_tensor_header(k, dtype, shape, CODEC, view)
+        out.extend(encode_tensor_frame(header, view, max_frame_bytes=1 << 20))
+    return out
+
+
+class WeightsReceiver:
+    """Sans-IO reader of one answer, bound to the names and shapes the asker expects."""
+
+    def __init__(self, run: str, stage: int, expected: dict[str, tuple[int, ...]]) -> None:
+        if not expected or len(expected) > MAX_WEIGHT_TENSORS:
+            raise LocalProtocolError(f"expected 1..{MAX_WEIGHT_TENSORS} tensors")
+        self.run, self.stage = run, stage
+        self.expected = {k: tuple(v) for k, v in expected.items()}
+        largest = max(math.prod(s) for s in self.expected.values()) * 4
+        if largest > MAX_TENSOR_BYTES:
+            raise LocalProtocolError(f"a tensor of {largest} bytes is over {MAX_TENSOR_BYTES}")
+        self._decoder = replace(WEIGHTS_RESPONSE_LIMITS, max_tensor_bytes=largest).decoder(
+            payload_buffer=self._check)
+        self._order: list[str] = []
+        self._got: dict[str, torch.Tensor] = {}
+        self._head: dict[str, Any] | None = None
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._decoder.feed(data)
+
+    def next_event(self) -> WeightsReceived | NoWeights | _NeedData:
+        while True:
+            event = self._decoder.next_event()
+            if event is NEED_DATA:
+                return NEED_DATA
+            if isinstance(event, Envelope):
+                done = self._on_envelope(event)
+                if done is not None:
+                    return done
+                continue
+            done = self._on_tensor(event)
+            if done is not None:
+                return done
+
+    def _on_envelope(self, env: Envelope) -> NoWeights | None:
+        if self._head is not None:
+            raise RemoteProtocolError(f"{_short(env.type)} while tensor frames were due")
+        if env.type == "pipe.wnone":
+            reason = env.body.get("reason") if isinstance(env.body, dict) else None
+            return NoWeights(reason[:200] if isinstance(reason, str) else "no reason given")
+        if env.type != "pipe.weights":
+            raise RemoteProtocolError(f"unexpected message type {_short(env.type)}")
+        b = env.body
+        if not isinstance(b, dict) or set(b) != _WEIGHTS_BODY:
+            raise RemoteProtocolError(f"pipe.weights body must have {sorted(_WEIGHTS_BODY)}")
+        if b["run"] != self.run or b["stage"] != self.stage:
+            raise RemoteProtocolError(f"weights of run {_short(b['run'])} stage "
+                                      f"{_short(b['stage'])}, asked {self.run} {self.stage}")
+        if type(b["step"]) is not int or not 0 <= b["step"] < MAX_STEP:
+            raise RemoteProtocolError(f"step must be an int >= 0, got {_short(b['step'])}")
+        if not isinstance(b["gnorm"], float | int) or isinstance(b["gnorm"], bool):
+            raise RemoteProtocolError(f"gnorm must be a number, got {_short(b['gnorm'])}")
+        names, shapes = b["names"], b["shapes"]
+        if (not isinstance(names, list) or not isinstance(shapes, list)
+                or len(names) != len(shapes)
+                or set(names) != set(self.expected) or len(set(names)) != len(names)):
+            raise RemoteProtocolError("weights name other tensors than the stage holds")
+        for k, s in zip(names, shapes, strict=True):
+            if not isinstance(s, list) or tuple(s) != self.expected[k]:
+                raise RemoteProtocolError(f"tensor {_short(k)}: shape {_short(s)}, the stage "
+                                          f"holds {list(self.expected[k])}")
+        self._head, self._order = b, list(names)
+        return None
+
+    def _check(self, header: TensorHeader) -> None:
+        if self._head is None or not self._order:
+            raise RemoteProtocolError("tensor frame without a pipe.weights envelope")
+        name = self._order[0]
+        if header.name != name or header.dtype != WEIGHTS_DTYPE or header.codec != CODEC:
+            raise RemoteProtocolError(f"tensor {_short(header.name)} {_short(header.dtype)}, "
+                                      f"expected {name!r} {WEIGHTS_DTYPE}")
+        if tuple(header.shape) != self.expected[name]:
+            raise RemoteProtocolError(f"tensor {name!r}: shape {list(header.shape)}")
+        return None
+
+    def _on_tensor(self, frame: TensorFrame) -> WeightsReceived | None:
+        import torch
+
+        if self._head is None or not self._order:
+            raise RemoteProtocolError("tensor frame without a pipe.weights envelope")
+        name = self._order.pop(0)
+        t = tensor_from_payload(frame.header, frame.payload)
+        if not bool(torch.isfinite(t).all()):
+            raise RemoteProtocolError(f"weights {name!r} hold NaN or inf")
+        self._got[name] = t
+        if self._order:
+            return None
+        head, self._head = self._head, None
+        return WeightsReceived(head["stage"], head["step"], float(head["gnorm"]), self._got)

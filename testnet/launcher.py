@@ -157,7 +157,7 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
        netns: bool = False, neighbours: dict[str, list[str]] | None = None,
        churn: ChurnConfig | None = None, nat: dict[str, str] | None = None,
        rate: str | None = None, rtt_ms: float | None = None,
-       on_progress=lambda msg: None) -> Testnet:
+       stages: int | None = None, on_progress=lambda msg: None) -> Testnet:
     """Start a bootstrap and `nodes` nodes; return once every node is running.
 
     With `sybils` > 0, one attacker joins too with that many identities (`sybil1`, ...), all
@@ -171,6 +171,8 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
     `nat` (implies `netns`): node name -> NAT kind (testnet/nat.py) for nodes behind a NAT
     gateway; the rest and the bootstrap are public. `rate` shapes every WAN link (tc tbf);
     `rtt_ms` adds that round-trip time between any two namespaces (testnet/delay.py).
+    `stages`: the manifest's pipeline is cut into that many stages of one block each
+    (pipeline_stages); the nodes place themselves, one stage each (docs/pipeline.md).
     """
     if nodes < 1:
         raise TestnetError("--nodes must be at least 1")
@@ -193,6 +195,8 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
                                                           "method": aggregator}})
         except ValueError as e:
             raise TestnetError(f"--aggregator {aggregator}: {e}") from e
+    if stages is not None:
+        m = pipeline_stages(m, stages)
     # Before anything starts: a topology naming processes we will not start is refused.
     fixed = _neighbour_args(directory, [*(f"node{i}" for i in range(1, nodes + 1)),
                                         *(f"sybil{i}" for i in range(1, sybils + 1))],
@@ -255,6 +259,72 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         down(directory)
         raise
     return net
+
+
+def pipeline_stages(m: mf.Manifest, stages: int) -> mf.Manifest:
+    """`m` with its [pipeline] cut into `stages` stages of one transformer block each."""
+    if m.pipeline is None:
+        raise TestnetError("--stages needs a manifest with a [pipeline] section")
+    doc = m.model_dump(by_alias=True)
+    doc["model"] = {**doc["model"], "n_layers": stages}
+    doc["pipeline"] = {**doc["pipeline"], "stages": stages, "layers": []}
+    if stages < 3:  # no interior stage to rebuild: CheckFree does not apply
+        doc["pipeline"]["recovery"] = "none"
+    try:
+        return mf.Manifest.model_validate(doc)
+    except ValueError as e:
+        raise TestnetError(f"--stages {stages}: {e}") from e
+
+
+def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
+    """The live processes that report hosting `stage` (their control socket's status)."""
+    out = []
+    for p in net.procs:
+        if p.name == "bootstrap" or not alive(p.pid, p.state_dir):
+            continue
+        try:
+            st = query_control(Path(p.state_dir), timeout=2.0)
+        except (ControlUnavailable, ValueError):
+            continue
+        if (st.get("pipeline") or {}).get("stage") == stage:
+            out.append(p)
+    return out
+
+
+def kill_stage(net: Testnet, stage: int, *, replace: bool = True, timeout: float = 60.0
+               ) -> tuple[list[str], str | None]:
+    """SIGKILL every host of `stage`; once a surviving node's view has lost them (its
+    heartbeat ttl), start a replacement node, which takes the empty stage and recovers it
+    (docs/pipeline.md). Returns (the killed, the replacement's name)."""
+    hosts = stage_hosts(net, stage)
+    if not hosts:
+        raise TestnetError(f"no live process hosts stage {stage} (is this a `--scenario "
+                           "pipeline` testnet?)")
+    ids = set()
+    for p in hosts:
+        with contextlib.suppress(ControlUnavailable, ValueError):
+            ids.add(query_control(Path(p.state_dir), timeout=2.0)["peer_id"])
+        kill_node(net, p.name)
+    survivors = [p for p in net.procs if p.name != "bootstrap" and p not in hosts
+                 and alive(p.pid, p.state_dir)]
+    if not replace:
+        return [p.name for p in hosts], None
+
+    def gone() -> bool:
+        for p in survivors:
+            try:
+                st = query_control(Path(p.state_dir), timeout=2.0)
+            except (ControlUnavailable, ValueError):
+                continue
+            live = {e["peer_id"] for e in (st.get("membership") or {}).get("peers", [])}
+            return not live & ids
+        return True
+    _wait_for(gone, timeout, f"stage {stage}'s hosts to leave the survivors' view", [])
+    names = {p.name for p in net.procs}
+    n = len(net.procs)
+    while f"node{n}" in names:
+        n += 1
+    return [p.name for p in hosts], add_node(net, f"node{n}").name
 
 
 def symmetric(neighbours: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -60,3 +60,41 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
         with trio.fail_after(30):
             await ckpt_sync.pull(me, [providers[2]], cid, target)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_lookup_beside_the_pull_is_not_waited_for_and_its_providers_are_used(
+        tmp_path: Path):
+    """The joiner's DHT lookup runs beside the pull (`more_providers`): a pull from the
+    writer ends without it, and a pull whose first providers lack the checkpoint gets
+    it from the providers the lookup names."""
+    source = CheckpointStore(tmp_path / "holder")
+    weights = {"w": torch.randn(CHUNK_BYTES // 4 + 1000)}  # 2 chunks
+    cid = source.save(RUN, 3, weights)
+    holder, empty, me = (Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(3))
+    holder.set_handler(cx.PROTOCOL_ID, ckpt_sync.CheckpointServer(source).handle)
+    empty.set_handler(cx.PROTOCOL_ID,
+                      ckpt_sync.CheckpointServer(CheckpointStore(tmp_path / "empty")).handle)
+
+    async def never() -> list:
+        await trio.sleep_forever()
+        return []
+
+    async with trio.open_nursery() as nursery:
+        for s in (holder, empty, me):
+            await nursery.start(s.serve)
+        has = await me.connect(holder.addrs()[0])
+        lacks = await me.connect(empty.addrs()[0])
+        with trio.fail_after(30):
+            first = await ckpt_sync.pull(me, [has], cid, CheckpointStore(tmp_path / "a"),
+                                         more_providers=never)
+        assert first.chunks_by_peer == {has.to_base58(): 2}
+
+        async def lookup() -> list:
+            return [has]
+
+        target = CheckpointStore(tmp_path / "b")
+        with trio.fail_after(30):
+            second = await ckpt_sync.pull(me, [lacks], cid, target, more_providers=lookup)
+        assert second.chunks_by_peer == {has.to_base58(): 2} and second.asked == 2
+        assert torch.equal(target.load(cid)[1]["w"], weights["w"])
+        nursery.cancel_scope.cancel()

@@ -8,7 +8,7 @@ import os
 import pytest
 import trio
 
-from node.averaging.lane import LaneListener, connect_lane
+from node.lane import LaneListener, connect_lane
 from node.streams import pump, write_chunks
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.lane import HEADER_BYTES, MAX_PLAINTEXT, MAX_RECORD, TAG_BYTES, Opener, Sealer

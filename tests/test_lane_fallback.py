@@ -9,8 +9,8 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.averaging import service as averaging
-from node.averaging.lane import connect_lane
 from node.averaging.service import Averager
+from node.lane import connect_lane
 from p2p.host import Substrate
 
 NUMEL = 50_000

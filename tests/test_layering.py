@@ -39,7 +39,7 @@ PACKAGES = ("p2p", "protocols", "node", "cli", "testnet")
 RULES: dict[str, list[tuple[str, str]]] = {
     "protocols": [
         *((m, "protocols/ is sans-IO: bytes in, events out, no I/O library")
-          for m in ("trio", "libp2p")),
+          for m in ("trio", "libp2p", "asyncio", "aiortc", "aioice")),
         *((m, "protocols/ is a foundation: it knows no other layer of ours")
           for m in ("node", "p2p", "cli", "testnet")),
     ],

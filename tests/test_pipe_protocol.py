@@ -164,3 +164,94 @@ def test_local_misuse_is_a_local_error() -> None:
 def test_the_receivers_bound_is_its_own_largest_micro_batch() -> None:
     assert EXPECT.limits().max_tensor_bytes == 4 * 16 * 8 * 2
     assert pipe.LIMITS.protocol == pipe.PROTOCOL_ID == "/peertrain/pipe/1.0.0"
+
+
+# -- the kinds a live pipeline adds: targets, the tied head's gradient and matrix ---------
+
+TAIL = pipe.Expect(RUN, 3, 8, 4, 16, 4, kinds=frozenset({"act", "tgt", "tied"}), vocab=32)
+
+
+def test_targets_travel_as_int64_and_must_be_in_the_vocabulary() -> None:
+    y = torch.randint(0, 32, (2, 16))
+    (ev,) = events(join(pipe.encode("tgt", RUN, 3, 4, 1, y)), TAIL)
+    assert isinstance(ev, pipe.TensorReceived) and ev.tensor.dtype == torch.int64
+    assert torch.equal(ev.tensor, y)
+    bad = y.clone()
+    bad[0, 0] = 32
+    rx = pipe.PipeReceiver(TAIL)
+    rx.receive_data(join(pipe.encode("tgt", RUN, 3, 4, 2, bad)) + join(pipe.encode(
+        "tgt", RUN, 3, 4, 3, y)))
+    first, second = rx.next_event(), rx.next_event()
+    assert isinstance(first, pipe.Refused) and "vocabulary" in first.reason
+    assert isinstance(second, pipe.TensorReceived)  # the stream goes on
+
+
+def test_the_tied_matrix_must_have_the_model_s_shape() -> None:
+    w = torch.randn(32, 8)
+    (ev,) = events(join(pipe.encode("tied", RUN, 3, 7, 0, w)), TAIL)
+    assert isinstance(ev, pipe.TensorReceived) and ev.tensor.shape == (32, 8)
+    with pytest.raises(RemoteProtocolError, match="tied matrix"):
+        events(join(pipe.encode("tied", RUN, 3, 7, 0, torch.randn(31, 8))), TAIL)
+    with pytest.raises(RemoteProtocolError, match=r"accepts no pipe\.tgrad"):
+        events(join(pipe.encode("tgrad", RUN, 3, 7, 0, w)), TAIL)
+
+
+def test_a_receiver_s_tensor_bound_covers_the_tied_matrix() -> None:
+    assert TAIL.max_bytes == max(4 * 16 * 8 * 2, 32 * 8 * 2, 4 * 16 * 8)
+    head_only = pipe.Expect(RUN, 0, 8, 1, 1, 4, kinds=frozenset({"tgrad"}), vocab=256)
+    assert head_only.max_bytes == 256 * 8 * 2
+
+
+def test_a_stream_that_ends_between_messages_ended_cleanly() -> None:
+    rx = pipe.PipeReceiver(EXPECT)
+    assert rx.between_messages
+    data = act()
+    rx.receive_data(data[:10])
+    assert rx.next_event() is NEED_DATA and not rx.between_messages
+    rx.receive_data(data[10:])
+    assert isinstance(rx.next_event(), pipe.TensorReceived) and rx.between_messages
+
+
+# -- /peertrain/pipe-weights/1.0.0 ----------------------------------------------------------
+
+SHAPES = {"0.w": (4, 8), "0.b": (8,)}
+
+
+def weights_events(parts: list, shapes=SHAPES, stage: int = 1) -> list:
+    rx = pipe.WeightsReceiver(RUN, stage, shapes)
+    rx.receive_data(join(parts))
+    out = []
+    while (ev := rx.next_event()) is not NEED_DATA:
+        out.append(ev)
+    return out
+
+
+def test_a_stage_s_weights_arrive_whole_and_exact() -> None:
+    state = {"0.w": torch.randn(4, 8), "0.b": torch.randn(8)}
+    (ev,) = weights_events(pipe.encode_weights(RUN, 1, 42, 0.5, state))
+    assert isinstance(ev, pipe.WeightsReceived) and (ev.step, ev.gnorm) == (42, 0.5)
+    assert all(torch.equal(ev.tensors[k], state[k]) for k in state)
+    (none,) = weights_events([pipe.encode_no_weights("not training yet")])
+    assert isinstance(none, pipe.NoWeights) and none.reason == "not training yet"
+
+
+@pytest.mark.parametrize(("state", "stage", "match"), [
+    ({"0.w": torch.randn(4, 8)}, 1, "other tensors"),  # a tensor missing
+    ({"0.w": torch.randn(4, 9), "0.b": torch.randn(8)}, 1, "shape"),  # a wrong shape
+    ({"0.w": torch.full((4, 8), float("nan")), "0.b": torch.randn(8)}, 1, "NaN"),
+    ({"0.w": torch.randn(4, 8), "0.b": torch.randn(8)}, 2, "asked"),  # another stage's
+])
+def test_weights_that_are_not_the_stage_s_are_refused(state, stage, match) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        weights_events(pipe.encode_weights(RUN, stage, 1, 0.5, state))
+
+
+def test_a_weights_request_is_checked() -> None:
+    dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+    dec.feed(pipe.encode_weights_request(RUN, 3, "blocks"))
+    assert pipe.check_weights_request(dec.next_event(), RUN) == (3, "blocks")
+    bad = encode_envelope(Envelope("pipe.wget", 0, {"run": RUN, "stage": 3, "part": "optim"}))
+    dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+    dec.feed(bad)
+    with pytest.raises(RemoteProtocolError, match="part"):
+        pipe.check_weights_request(dec.next_event(), RUN)

@@ -28,7 +28,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from node.averaging.lane import LaneListener, connect_lane
+from node.lane import LaneListener, connect_lane, listen_host
 from node.streams import pump, write_chunks
 from node.training.rounds import Outcome
 from p2p.host import Substrate
@@ -48,7 +48,7 @@ class PartnerStats:
     bytes_per_s: float = 50e6  # prior until measured: a modest LAN link
     exchanges: int = 0
     failures: int = 0
-    # Bytes of tensors by path: "lane" (the bulk TCP lane) or "stream" (libp2p).
+    # Bytes of tensors by path: "lane" (the bulk TCP lane), "stream" (libp2p) or "webrtc".
     sent: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
     last_exchange_unix: float | None = None  # wall clock, for the status page
@@ -76,7 +76,8 @@ class Averager:
                  step_time: Callable[[], float] = lambda: 0.1, inner_steps: int = 50,
                  stats: Any = None, lanes: bool = True, neighbours: int | None = None,
                  fixed_neighbours: list[str] | None = None,
-                 after_round: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
+                 after_round: Callable[[list[str]], Awaitable[None]] | None = None,
+                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -103,11 +104,15 @@ class Averager:
         # relays and NATs). Partner -> when its lane failed (time.monotonic()).
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
-        self.lane_host = _listen_host(substrate)
+        self.lane_host = listen_host(substrate)
         self.after_round = after_round
+        # Where the initiator's stream comes from: the substrate, or the webrtc service,
+        # which hands out a data channel to a peer reached only through a relay
+        # (node/webrtc/); its streams say so in `path`, counted apart below.
+        self.open_stream = open_stream or substrate.open_stream
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         self._nursery: trio.Nursery | None = None
-        substrate.set_handler(PROTOCOL_ID, self._handle)
+        substrate.set_handler(PROTOCOL_ID, self.handle)
 
     async def run(self, ctx: object = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -246,9 +251,11 @@ class Averager:
             log.info("round %d: exchange with %s failed (%s); local step", r, partner, e)
 
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
-        stream = await self.substrate.open_stream(ID.from_base58(partner), PROTOCOL_ID)
+        stream = await self.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
-            lanes = (av.LANE_TCP,) if self._lane_for(partner) else ()
+            # never a lane beside a data channel: it has no address to dial
+            lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \
+                else ()
             ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs,
                              lanes=lanes)
             await stream.write(ex.initiate())
@@ -258,7 +265,7 @@ class Averager:
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
             if event.lane is None:
-                return await self._swap(stream, ex, snapshot, partner, "stream")
+                return await self._swap(stream, ex, snapshot, partner, _path(stream))
             try:
                 host = stream.get_remote_address()[0]
                 lane = await connect_lane(host, event.lane.port, event.lane.key, timeout=2.0)
@@ -275,7 +282,7 @@ class Averager:
 
     # -- the responder's side ---------------------------------------------------------
 
-    async def _handle(self, stream: INetStream) -> None:
+    async def handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
             await self._respond(stream, peer)
@@ -321,7 +328,8 @@ class Averager:
             codec = av.negotiate(offer.codecs, self.codecs)
             if not (self.lanes and av.LANE_TCP in offer.lanes):
                 await stream.write(ex.accept(codec))
-                slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer, "stream")
+                slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer,
+                                                      _path(stream))
                 return
             listener = LaneListener(self.lane_host)
             try:
@@ -364,14 +372,10 @@ class Averager:
         return await pump(stream, ex.next_event, ex.receive_data, into=ex)
 
 
-def _listen_host(substrate: Substrate) -> str:
-    """Lanes listen where the node listens (loopback in a testnet, all interfaces else)."""
-    for addr in substrate.listen:
-        try:
-            return addr.value_for_protocol("ip4")
-        except Exception:
-            continue
-    return "0.0.0.0"
+def _path(stream: Any) -> str:
+    """How a swap's bytes are counted: "stream" (libp2p) or the stream's own `path`
+    ("webrtc": a data channel)."""
+    return getattr(stream, "path", "stream")
 
 
 async def _close(stream: Any) -> None:

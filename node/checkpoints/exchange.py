@@ -5,6 +5,12 @@ chunks from every provider in parallel: one worker per provider takes the next m
 chunk from a shared queue, and a chunk that fails (timeout, stall, wrong hash, refusal) goes
 back into the queue while that provider is dropped. Chunks already on disk are skipped, so
 an interrupted pull resumes where it stopped. Nothing is loaded that failed verification.
+
+Chunks travel on a bulk lane (node/lane.py) when the provider offers one, LANE_WINDOW
+requests in flight; else (an older node, a lane that cannot be reached, a busy server) on
+the libp2p stream, one request at a time. Why: the provider is usually a trainer, and
+beside its trainer thread the stream served ~10 MB/s, 60% of it in Yamux/Noise writes and
+the rest in one round trip per 4 MiB chunk (docs/benchmarks.md, "Joining mid-run").
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +29,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointError, CheckpointStore
+from node.lane import LaneListener, LaneStream, connect_lane, listen_host
 from node.service import NodeContext
 from node.streams import StreamEnded, next_event
 from p2p.host import Substrate
@@ -33,6 +41,11 @@ from protocols.wire import Envelope
 log = logging.getLogger("node.ckpt")
 _ids = itertools.count(1)
 
+LANE_WINDOW = 4  # chunk requests in flight on one lane (16 MiB)
+MAX_LANES = 4  # lanes a server serves at once (each holds ~16 MiB of buffers)
+LANE_ACCEPT_S = 5.0  # how long an offered lane waits for its asker to connect
+LANE_CONNECT_S = 2.0  # how long the asker tries to reach an offered lane
+
 
 class CheckpointServer:
     """Serves the checkpoints in our store, on every node (a bootstrap too): one stream is
@@ -41,19 +54,27 @@ class CheckpointServer:
     name = "checkpoint_server"
     protocols = (cx.PROTOCOL_ID,)
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, lane_host: str = "127.0.0.1",
+                 lanes: bool = True) -> None:
         self.store = store
+        self.lane_host, self.lanes = lane_host, lanes  # where lanes listen; offered at all?
         self.served = 0
         self.missing = 0
+        self.served_on_lanes = 0  # of `served`: chunks sent on a bulk lane
+        self.lanes_open = 0
+        self.lanes_refused = 0  # asked while MAX_LANES were open: the stream carries on
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.lane_host = listen_host(ctx.substrate)
         ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
 
     def statistics(self) -> dict[str, Any]:
-        return {"served": self.served, "not_held": self.missing}
+        return {"served": self.served, "not_held": self.missing,
+                "served_on_lanes": self.served_on_lanes, "lanes_open": self.lanes_open,
+                "lanes_refused": self.lanes_refused}
 
     async def handle(self, stream: INetStream) -> None:
         decoder = cx.REQUEST_LIMITS.decoder()
@@ -67,6 +88,9 @@ class CheckpointServer:
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)
+                if kind == "ckpt.lane":
+                    await self._offer_lane(stream, env, cid)
+                    return  # the session goes on on the lane, if at all
                 data = await trio.to_thread.run_sync(_read, self.store, kind, cid, index)
                 if data is None:
                     self.missing += 1
@@ -75,6 +99,132 @@ class CheckpointServer:
                 await stream.write(cx.respond(env, data, index))
         finally:
             await stream.close()
+
+
+    async def _offer_lane(self, stream: INetStream, env: Envelope, cid: str) -> None:
+        if not self.store.latest_ok(cid):
+            self.missing += 1
+            await stream.write(cx.refuse(env))
+            return
+        if not self.lanes or self.lanes_open >= MAX_LANES:
+            self.lanes_refused += self.lanes
+            await stream.write(cx.refuse(env, "no lane now: ask on the stream", "busy"))
+            return
+        self.lanes_open += 1
+        try:
+            listener = LaneListener(self.lane_host)
+            try:
+                port = await listener.open()
+                await stream.write(cx.respond_lane(env, port, listener.key))
+                lane = await listener.accept(timeout=LANE_ACCEPT_S)
+            finally:
+                await listener.aclose()
+            try:
+                await self._serve_lane(lane)
+            finally:
+                await lane.close()
+        finally:
+            self.lanes_open -= 1
+
+    async def _serve_lane(self, lane: LaneStream) -> None:
+        """Answer chunk requests in order until the asker hangs up. Two chunk buffers: the
+        next chunk is read from disk (in a worker thread) while this one is sealed from its
+        buffer and sent; nothing is copied in between."""
+        decoder = cx.REQUEST_LIMITS.decoder()
+        free_in, free = trio.open_memory_channel[memoryview](2)
+        for _ in range(2):
+            free_in.send_nowait(memoryview(bytearray(ck.CHUNK_BYTES)))
+        to_send, sending = trio.open_memory_channel[tuple[Envelope, memoryview, int | None]](1)
+
+        async def read_requests() -> None:
+            async with to_send:
+                while True:
+                    with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
+                        try:
+                            env = await next_event(lane, decoder)
+                        except StreamEnded:
+                            return
+                    if not isinstance(env, Envelope):
+                        raise RemoteProtocolError("expected a request")
+                    kind, cid, index = cx.parse_request(env)
+                    if kind != "ckpt.chunk":
+                        raise RemoteProtocolError(f"{kind} on a lane: only chunks go there")
+                    buffer = await free.receive()
+                    n = await trio.to_thread.run_sync(_read_into, self.store, cid, index,
+                                                      buffer)
+                    await to_send.send((env, buffer, n))
+
+        async def send_chunks() -> None:
+            async for env, buffer, n in sending:
+                if n is None:
+                    self.missing += 1
+                    await lane.write(cx.refuse(env))
+                else:
+                    await lane.write(cx.chunk_header(env, n))
+                    await lane.write(buffer[:n])
+                    self.served += 1
+                    self.served_on_lanes += 1
+                free_in.send_nowait(buffer)
+
+        errors = await _together(read_requests, send_chunks)
+        if errors:
+            raise errors[0]  # as one handler's error, for the guard to classify
+
+
+async def _together(*tasks: Callable[[], Any]) -> list[Exception]:
+    """Run `tasks` concurrently; the first to fail cancels the others. Their errors, plain
+    (no exception group), first one first."""
+    errors: list[Exception] = []
+
+    async def guarded(task: Callable[[], Any], scope: trio.CancelScope) -> None:
+        try:
+            await task()
+        except Exception as e:
+            errors.append(e)
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(guarded, task, nursery.cancel_scope)
+    return errors
+
+
+def _chunk_size(m: ck.CheckpointManifest, index: int) -> int:
+    return min(m.chunk, m.size - index * m.chunk)
+
+
+async def _lane_chunk(lane: LaneStream, req: int, index: int, size: int) -> bytearray:
+    """Chunk `index` from a lane: its header (one envelope in one record, checked against
+    the request and the manifest's `size`), then exactly `size` bytes opened in place."""
+    plain = await lane.read()
+    if not plain:
+        raise StreamEnded(f"lane closed before chunk {index}")
+    cx.parse_chunk_header_record(plain, req, index, size)
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = await lane.read_into(view[got:])
+        if type(n) is not int:
+            raise (RemoteProtocolError(f"chunk {index}: a record runs past its {size} bytes")
+                   if n else StreamEnded(f"lane closed in the middle of chunk {index}"))
+        got += n
+    return data
+
+
+def _read_into(store: CheckpointStore, cid: str, index: int | None,
+               buffer: memoryview) -> int | None:
+    """Chunk `index` of `cid` read into `buffer`; its size, or None if not held."""
+    try:
+        m = store.manifest(cid)
+        if index is None or index >= len(m.chunks):
+            return None
+        with open(store.chunks / m.chunks[index], "rb") as f:
+            n = f.readinto(buffer)
+            if f.read(1):  # a chunk file larger than a chunk is not ours to send
+                return None
+        return n
+    except (OSError, CheckpointError):
+        return None
 
 
 def _read(store: CheckpointStore, kind: str, cid: str, index: int | None) -> bytes | None:
@@ -98,13 +248,31 @@ class _Session:
         self.decoder = cx.RESPONSE_LIMITS.decoder()
 
     async def ask(self, request: bytes, req_id: int, kind: str) -> bytes:
+        return cx.parse_response(await self.ask_envelope(request), req_id, kind)
+
+    async def ask_envelope(self, request: bytes) -> Envelope:
         if self.stream is None:
             self.stream = await self.substrate.open_stream(self.peer, cx.PROTOCOL_ID)
         await self.stream.write(request)
         env = await next_event(self.stream, self.decoder)
         if not isinstance(env, Envelope):
             raise RemoteProtocolError("expected a response envelope")
-        return cx.parse_response(env, req_id, kind)
+        return env
+
+    async def open_lane(self, cid: str) -> LaneStream | None:
+        """A bulk lane to the provider for `cid`'s chunks; None if it offers none now.
+        LookupError if it does not hold `cid`."""
+        req = next(_ids)
+        try:
+            env = await self.ask_envelope(cx.request_lane(req, cid))
+            port, key = cx.parse_lane(env, req)
+        except LookupError as e:
+            if "no lane" in str(e):
+                return None  # busy: the stream carries the chunks
+            raise
+        assert self.stream is not None
+        host = self.stream.get_remote_address()[0]
+        return await connect_lane(host, port, key, timeout=LANE_CONNECT_S)
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -123,6 +291,8 @@ class PullResult:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     chunks_by_peer: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
+    paths: dict[str, str] = field(default_factory=dict)  # peer -> "lane" or "stream"
+    asked: int = 0  # providers asked, the lookup's (more_providers) included
 
     @property
     def fetched_bytes(self) -> int:
@@ -132,16 +302,75 @@ class PullResult:
 async def pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
                *, chunk_timeout: float = 30.0,
                progress: Callable[[int, int], None] = lambda done, total: None,
-               check: Callable[[ck.CheckpointManifest], None] | None = None) -> PullResult:
+               check: Callable[[ck.CheckpointManifest], None] | None = None,
+               lanes: bool = True,
+               more_providers: Callable[[], Awaitable[list[ID]]] | None = None,
+               ) -> PullResult:
     """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
 
     `check` sees the verified manifest before any chunk is fetched and may refuse it by
     raising CheckpointError (`node ckpt pull --run` does, for another run's checkpoint).
+    `lanes`: ask each provider for a bulk lane first (else the libp2p stream only).
+    `more_providers`: a lookup (the DHT's) that runs while `providers` are pulled from;
+    the peers it names are used too, as soon as it returns (or first, if none of
+    `providers` serves the manifest). A joiner then does not wait for the lookup when the
+    checkpoint's writer is at hand.
     """
     started = time.monotonic()
-    manifest, reasons = None, []
+    reasons: list[str] = []
     lacking: set[ID] = set()  # said "not held here": no chunk worker for them
-    for peer in providers:
+    providers = list(providers)
+    lookup: list[ID] | None = None  # what more_providers returned, once it has
+    looked_up = trio.Event()
+
+    async def look_up() -> None:
+        nonlocal lookup
+        assert more_providers is not None
+        try:
+            lookup = [p for p in await more_providers() if p not in providers]
+        except Exception as e:  # the pull goes on with the providers it has
+            log.info("checkpoint %s: provider lookup failed (%r)", cid, e)
+            lookup = []
+        looked_up.set()
+
+    result: PullResult | None = None
+    error: Exception | None = None
+    async with trio.open_nursery() as outer:
+        if more_providers is not None:
+            outer.start_soon(look_up)
+        else:
+            looked_up.set()
+        try:
+            result = await _pull(substrate, providers, cid, store, chunk_timeout, progress,
+                                 check, lanes, started, lacking, reasons, looked_up,
+                                 lambda: lookup or [])
+        except Exception as e:  # raised below, plain: not in the nursery's exception group
+            error = e
+        finally:
+            outer.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    assert result is not None
+    return result
+
+
+async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
+                chunk_timeout: float, progress: Callable[[int, int], None],
+                check: Callable[[ck.CheckpointManifest], None] | None, lanes: bool,
+                started: float, lacking: set[ID], reasons: list[str], looked_up: trio.Event,
+                found: Callable[[], list[ID]]) -> PullResult:
+    manifest = None
+    asked: list[ID] = []
+    while manifest is None:
+        todo_peers = [p for p in providers if p not in asked]
+        if not todo_peers:
+            if looked_up.is_set() and not [p for p in found() if p not in asked]:
+                break
+            await looked_up.wait()
+            providers += [p for p in found() if p not in providers]
+            continue
+        peer = todo_peers[0]
+        asked.append(peer)
         session = _Session(substrate, peer)
         try:
             with trio.fail_after(chunk_timeout):
@@ -161,6 +390,8 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     if manifest is None:
         raise CheckpointError(f"no provider served checkpoint {cid}:\n  "
                               + "\n  ".join(reasons or ["(no providers)"]))
+    log.info("checkpoint %s: manifest from %s after %.2f s (%d chunks)", cid, peer,
+             time.monotonic() - started, len(manifest.chunks))
     if check is not None:
         check(manifest)
     result = PullResult(manifest)
@@ -177,50 +408,154 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     if not remaining:
         finished.set()
 
-    async def worker(peer: ID) -> None:
+    def failed(name: str, indices: list[int], e: BaseException) -> None:
+        """A provider is dropped; its chunks go back to the queue for the others."""
+        log.info("chunk(s) %s from %s failed (%r); another provider takes them",
+                 indices, name, e)
+        first = indices[0] if indices else None
+        result.failures[name] = (f"chunk {first}: no answer within {chunk_timeout:g} s"
+                                 if isinstance(e, trio.TooSlowError) else f"chunk {first}: {e}")
+        for index in indices:
+            send.send_nowait(index)
+
+    def fetched(name: str, index: int, size: int) -> None:
         nonlocal done
+        result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + size
+        result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
+        remaining.discard(index)
+        done += 1
+        progress(done, total)
+        if not remaining:
+            finished.set()
+
+    async def next_index() -> int | None:
+        with trio.move_on_after(0.2):  # only the wait for work is bounded this way
+            return await receive.receive()
+        return None
+
+    async def on_stream(session: _Session, name: str) -> None:
+        while not finished.is_set():
+            index = await next_index()
+            if index is None:
+                continue
+            try:
+                with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                    req = next(_ids)
+                    data = await session.ask(cx.request_chunk(req, cid, index), req,
+                                             "ckpt.chunk")
+                store.put_chunk(manifest.chunks[index], data)
+            except (Exception, trio.TooSlowError) as e:
+                failed(name, [index], e)
+                return
+            fetched(name, index, len(data))
+
+    async def on_lane(lane: LaneStream, name: str) -> None:
+        """LANE_WINDOW requests in flight; each chunk is verified and written in a worker
+        thread while the next one arrives. On any failure, every chunk this provider had
+        taken and not stored goes back to the queue."""
+        inflight: deque[tuple[int, int]] = deque()  # (index, request id), in order
+        pending: set[int] = set()  # taken from the queue, not yet stored
+        to_store, storing = trio.open_memory_channel[tuple[int, bytearray]](1)
+
+        async def receive_chunks() -> None:
+            async with to_store:
+                while not finished.is_set():
+                    while len(inflight) < LANE_WINDOW:  # keep the provider busy
+                        try:
+                            index = receive.receive_nowait()
+                        except trio.WouldBlock:
+                            index = None if inflight or pending else await next_index()
+                        if index is None:
+                            break
+                        req = next(_ids)
+                        inflight.append((index, req))
+                        pending.add(index)
+                        await lane.write(cx.request_chunk(req, cid, index))
+                    if not inflight:
+                        if pending:  # the last chunks are being stored
+                            await next_index_or_done()
+                        continue
+                    index, req = inflight[0]
+                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                        data = await _lane_chunk(lane, req, index,
+                                                 _chunk_size(manifest, index))
+                    inflight.popleft()
+                    await to_store.send((index, data))
+
+        async def store_chunks() -> None:
+            async for index, data in storing:  # hash checked in put_chunk
+                await trio.to_thread.run_sync(store.put_chunk, manifest.chunks[index], data)
+                pending.discard(index)
+                fetched(name, index, len(data))
+
+        errors = await _together(receive_chunks, store_chunks)
+        if errors:
+            failed(name, sorted(pending), errors[0])
+
+    async def next_index_or_done() -> None:
+        with trio.move_on_after(0.2):
+            await finished.wait()
+
+    async def worker(peer: ID) -> None:
         name = peer.to_base58()
         session = _Session(substrate, peer)
         try:
-            while not finished.is_set():
-                index = None
-                with trio.move_on_after(0.2):  # only the wait for work is bounded this way
-                    index = await receive.receive()
-                if index is None:
-                    continue
+            lane = None
+            if lanes:
                 try:
-                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
-                        req = next(_ids)
-                        data = await session.ask(cx.request_chunk(req, cid, index), req,
-                                                 "ckpt.chunk")
-                    store.put_chunk(manifest.chunks[index], data)
-                except (Exception, trio.TooSlowError) as e:
-                    log.info("chunk %d from %s failed (%r); another provider takes it",
-                             index, peer, e)
-                    result.failures[name] = (f"chunk {index}: no answer within "
-                                             f"{chunk_timeout:g} s"
-                                             if isinstance(e, trio.TooSlowError)
-                                             else f"chunk {index}: {e}")
-                    send.send_nowait(index)
+                    with trio.fail_after(chunk_timeout):
+                        lane = await session.open_lane(cid)
+                except LookupError as e:  # not held there after all
+                    result.failures[name] = str(e)
                     return
-                result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + len(data)
-                result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
-                remaining.discard(index)
-                done += 1
-                progress(done, total)
-                if not remaining:
-                    finished.set()
+                except trio.TooSlowError:  # a stalled provider is dropped, as for a chunk
+                    result.failures[name] = f"no answer within {chunk_timeout:g} s"
+                    return
+                except Exception as e:
+                    log.info("no bulk lane to %s (%r); the libp2p stream carries the chunks",
+                             name, e)
+                if lane is not None or session.stream is not None:
+                    await session.close()  # the lane request ended that stream's session
+                    session = _Session(substrate, peer)
+            if lane is None:
+                result.paths[name] = "stream"
+                await on_stream(session, name)
+                return
+            result.paths[name] = "lane"
+            log.info("checkpoint %s: lane to %s open after %.2f s", cid, name,
+                     time.monotonic() - started)
+            try:
+                await on_lane(lane, name)
+            finally:
+                with trio.move_on_after(2):
+                    with contextlib.suppress(Exception):
+                        await lane.close()
         finally:
             await session.close()
+
+    async def later_providers(nursery: trio.Nursery) -> None:
+        """The lookup's providers join in when it returns, unless we are done by then."""
+        while not looked_up.is_set() and not finished.is_set():
+            with trio.move_on_after(0.2):
+                await looked_up.wait()
+        for peer in found():
+            if peer not in providers and not finished.is_set():
+                providers.append(peer)
+                nursery.start_soon(worker, peer)
 
     async with trio.open_nursery() as nursery:
         for peer in providers:
             if peer not in lacking:
                 nursery.start_soon(worker, peer)
+        nursery.start_soon(later_providers, nursery)
     if remaining:
         why = "".join(f"\n  {p}: {r}" for p, r in sorted(result.failures.items()))
         raise CheckpointError(f"checkpoint {cid}: {len(remaining)} of {total} chunks could not "
                               f"be fetched from any provider:{why}")
     store.put_manifest(cid, manifest.encode())
     result.seconds = time.monotonic() - started
+    result.asked = len(providers)
+    log.info("checkpoint %s: %d chunks in %.2f s (%s)", cid, total - result.chunks_local,
+             result.seconds, ", ".join(f"{p[:12]}…: {n} on the {result.paths.get(p)}"
+                                       for p, n in result.chunks_by_peer.items()))
     return result

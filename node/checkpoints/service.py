@@ -2,8 +2,8 @@
 save the trainer's snapshots, and keep what we hold announced (and only that).
 
 * Joining mid-run (nothing held locally): wait briefly for a first run-document sync,
-  take the newest checkpoint in its index, ask the DHT for its providers (bounded: the
-  writer and our connected peers are asked anyway) and pull it from all of them at once
+  take the newest checkpoint in its index and pull it at once from its writer and our
+  connected peers, the DHT's providers of it joining in when that lookup (bounded) returns
   (node/checkpoints/exchange.py). The service reports ready only then, so the trainer
   starts from it.
 * Saving: snapshots are written in a worker thread, retention keeps the newest
@@ -100,11 +100,19 @@ class CheckpointService:
         dht = ctx.substrate.dht
         assert dht is not None
         ctx.phases.enter("finding providers")
-        found = await dht.find_providers(ckpt_provider_key(cid), timeout=PROVIDER_LOOKUP_S)
-        providers = [p.peer_id for p in found]
+        # The writer and our connected peers are asked at once; the DHT's providers (a
+        # joiner that pulled it before us, not connected to us) join the pull when the
+        # lookup returns. Waiting for the lookup first cost its whole deadline (3 s) in
+        # `node bench join`: in a NoLoCo swarm the writer is the only holder.
+        providers: list[ID] = []
         for extra in [ID.from_base58(writer), *ctx.substrate.connected_peers()]:
             if extra not in providers and extra != ctx.substrate.peer_id:
                 providers.append(extra)
+
+        async def dht_providers() -> list[ID]:
+            found = await dht.find_providers(ckpt_provider_key(cid), timeout=PROVIDER_LOOKUP_S)
+            return [p.peer_id for p in found if p.peer_id != ctx.substrate.peer_id]
+
         ctx.phases.enter("downloading checkpoint")
         self._load_torch()
         download = self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
@@ -115,14 +123,15 @@ class CheckpointService:
 
         try:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
-                                         progress=progress)
+                                         progress=progress, more_providers=dht_providers)
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s); starting from scratch", cid, e)
             return None
         # asked != served: in a NoLoCo swarm each node's checkpoint is its own
         download["served_by"] = len(pulled.bytes_by_peer)
+        download["providers"] = pulled.asked
         log.info("fetched checkpoint %s (step %d) from %d of %d providers asked", cid, step,
-                 len(pulled.bytes_by_peer), len(providers))
+                 len(pulled.bytes_by_peer), pulled.asked)
         return cid
 
     async def save(self, snapshot: Any) -> None:

@@ -9,6 +9,7 @@ message's signed origin) before it enters the view; refusals are counted.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import trio
@@ -31,6 +32,7 @@ class HeartbeatService:
         self.runs, self.publish, self.interval_s = runs, publish, interval_s
         self.sent = 0
         self.rejected = 0
+        self.epoch = time.time_ns() // 1_000_000  # orders our beats across restarts
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
@@ -53,7 +55,8 @@ class HeartbeatService:
         while True:
             self.sent += 1
             beat = hb.Heartbeat(ctx.peer_id, self.sent, tuple(ctx.substrate.addrs()),
-                                role="node", device=ctx.device, stats=ctx.own_stats())
+                                role="node", device=ctx.device, stats=ctx.own_stats(),
+                                epoch=self.epoch)
             ctx.publisher.publish_nowait(topic, beat.encode())
             # The first few come sooner: right after joining, gossip has no mesh for the
             # topic yet and a beat can reach nobody; peers then list us one interval later.

@@ -36,17 +36,25 @@ class Membership:
         self.document: RunDocument | None = None  # attached when the run is known
         self.started = time.monotonic()
         self.first_peer_after_s: float | None = None
+        self.stale_heartbeats = 0  # late gossip, older than what the view holds
 
     # -- writes ---------------------------------------------------------------------------
 
     def heard(self, beat: Heartbeat, now: float | None = None) -> bool:
-        """Record a verified heartbeat; True when the peer is new to the view."""
+        """Record a verified heartbeat; True when the peer is new to the view. A heartbeat
+        no newer than the last one taken from its peer (gossip delivered it late) is
+        counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py)."""
         now = time.monotonic() if now is None else now
-        new = self.book.get(beat.peer) is None
+        entry = self.book.get(beat.peer)
+        if entry is not None and tuple(entry.info.get("order", (-1, -1))) >= beat.order:
+            self.stale_heartbeats += 1
+            return False
+        new = entry is None
         if self.first_peer_after_s is None and beat.role == "node":
             self.first_peer_after_s = now - self.started
         self.book.seen(beat.peer, now, list(beat.addrs),
-                       {"role": beat.role, "device": beat.device, "stats": beat.stats})
+                       {"role": beat.role, "device": beat.device, "stats": beat.stats,
+                        "order": beat.order})
         return new
 
     def attach(self, document: RunDocument) -> None:
@@ -102,11 +110,12 @@ class Membership:
         now, wall = time.monotonic(), now_ms()
         return {
             "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
-                       "addrs": e.addrs, **e.info}
+                       "addrs": e.addrs, **{k: v for k, v in e.info.items() if k != "order"}}
                       for e in self.live(now) if e.info.get("role") == "node"],
             "members": [{"peer_id": p, "last_seen_s": round((wall - info.pop("last_seen_ms"))
                                                             / 1000, 1), **info}
                         for p, info in sorted(self.documented(members_ttl_s).items())
                         if p != self.me],
             "first_peer_after_s": self.first_peer_after_s,
+            "stale_heartbeats": self.stale_heartbeats,
         }

@@ -1,6 +1,6 @@
 """Pipeline stages, pure torch with no networking: cutting the GPT, routing, execution.
 
-docs/pipeline.md describes the layout, the routing and what is not live yet.
+docs/pipeline.md describes the layout and the routing; node/pipe/ runs them live.
 """
 
 from node.pipeline.runner import Pipeline, PipelineFull, StageOptim, StageRunner

@@ -28,11 +28,11 @@ def check_swarm_algorithm(m: mf.Manifest, attack: str | None = None) -> None:
         raise TrainerSetupError(f"outer.algorithm = {m.outer.algorithm!r} runs only in the "
                                 "convergence benchmark; a swarm runs 'noloco', 'gossip' or "
                                 "'none'")
-    if m.pipeline is not None:
-        raise TrainerSetupError("this run has a [pipeline] section: pipeline runs are not live "
-                                "yet (the stage math, routing, recovery and wire format are, "
-                                "see docs/pipeline.md); remove [pipeline] to train the whole "
-                                "model on every peer")
+    if m.pipeline is not None and m.model.task != "bytes-gpt":
+        raise TrainerSetupError("a [pipeline] run cuts the byte-level GPT: it needs "
+                                "model.task = 'bytes-gpt'")
+    if m.pipeline is not None and attack is not None:
+        raise TrainerSetupError("--attack poisons a whole model: not in a pipeline run")
     if attack is not None and (m.model.task != "digits-mlp" or m.outer.algorithm != "gossip"):
         raise TrainerSetupError("--attack poisons digits: it needs model.task = 'digits-mlp' "
                                 "and outer.algorithm = 'gossip'")

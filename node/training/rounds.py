@@ -52,6 +52,7 @@ class TrainingStats:
     error: str | None = None
     val_metrics: dict[str, float] | None = None  # the last evaluation (accuracy, attack rates)
     aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
+    grad_norm: float | None = None  # pipeline stages: the last step's, after clipping
 
     def step_time(self) -> float:
         """Measured seconds per inner step (a prior of 0.2 s before the first step)."""

@@ -20,7 +20,18 @@ from typing import Final
 import torch
 
 from protocols import averaging as av
-from protocols import checkpoint, codecs, heartbeat, history, keys, lane, records, rundoc
+from protocols import (
+    checkpoint,
+    codecs,
+    heartbeat,
+    history,
+    keys,
+    lane,
+    records,
+    rundoc,
+    stun,
+    webrtc_signal,
+)
 from protocols import ckpt_exchange as cx
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
@@ -274,6 +285,31 @@ def peer_ids(data: bytes) -> None:
 
 
 #: name -> (target, the exceptions that mean "refused", as documented by the decoder)
+def stun_messages(data: bytes) -> None:
+    """The STUN codec (protocols/stun.py): a Binding Request the responder would answer,
+    or a Binding Success a probe would read. Layout: [which parser] datagram."""
+    if not data:
+        return
+    if data[0] % 2 == 0:
+        req = stun.parse_request(data[1:])
+        assert len(req.txid) == 12
+    else:
+        ip, port = stun.parse_success(data[1:], data[9:21])
+        assert 0 <= port < 65536 and ip
+
+
+def webrtc_signal_messages(data: bytes) -> None:
+    """The signalling protocol's offer and answer parsers over its declared limits.
+    Layout: [which parser] stream."""
+    if not data:
+        return
+    for env in _events(webrtc_signal.LIMITS.decoder(), [data[1:]]):
+        assert isinstance(env, Envelope)
+        sdp = (webrtc_signal.parse_offer(env) if data[0] % 2 == 0
+               else webrtc_signal.parse_answer(env, env.id))
+        assert len(sdp.encode()) <= webrtc_signal.MAX_SDP
+
+
 TARGETS: Final[dict[str, tuple[Callable[[bytes], None],
                                tuple[type[BaseException], ...]]]] = {
     "wire": (wire_frames, (RemoteProtocolError,)),
@@ -290,6 +326,8 @@ TARGETS: Final[dict[str, tuple[Callable[[bytes], None],
     "checkpoint": (checkpoint_manifest, (RemoteProtocolError,)),
     "lane": (lane_records, (RemoteProtocolError,)),
     "keys": (peer_ids, (RemoteProtocolError,)),
+    "stun": (stun_messages, (RemoteProtocolError,)),
+    "webrtc_signal": (webrtc_signal_messages, (RemoteProtocolError, LookupError)),
 }
 
 
@@ -366,6 +404,16 @@ def seeds(name: str) -> list[bytes]:
         return [sealer.seal(b"hello lane")]
     if name == "keys":
         return [SIGNER.sign(b"x") + SIGNER.peer_id.encode()]
+    if name == "stun":
+        txid = bytes(range(12))
+        success = stun.encode_success(txid, "198.18.1.2", 4001)
+        return [b"\0" + stun.encode_request(txid, stun.CHANGE_IP), b"\1" + success]
+    if name == "webrtc_signal":
+        sdp = ("v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"
+               "m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n")
+        return [b"\0" + webrtc_signal.encode_offer(1, sdp),
+                b"\1" + webrtc_signal.encode_answer(2, sdp),
+                b"\1" + webrtc_signal.encode_error(3, "busy", "16 sessions open")]
     raise KeyError(name)
 
 

@@ -1,7 +1,8 @@
 """A TCP bulk lane with the read/write/close surface of a libp2p stream (see protocols/lane.py).
 
 The averaging adapter swaps a `LaneStream` in for the libp2p stream once the partner has
-accepted, so the same pump and writers serve both paths.
+accepted, so the same pump and writers serve both paths; the checkpoint exchange serves
+chunks on one (node/checkpoints/exchange.py).
 
 Both directions of a 100 MB exchange run on the same few cores as the training, so the lane
 costs as little CPU per byte as it can (measured in docs/benchmarks.md, "exchange"): each
@@ -13,6 +14,7 @@ into another buffer and sent with one `send_all`. Nothing is allocated per recor
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import trio
 
@@ -130,6 +132,17 @@ class LaneListener:
     async def aclose(self) -> None:
         for listener in self._listeners:
             await listener.aclose()
+
+
+def listen_host(substrate: Any) -> str:
+    """Lanes listen where the node listens (loopback in a testnet, all interfaces else).
+    `substrate`: a p2p.host.Substrate (its `listen` multiaddrs)."""
+    for addr in substrate.listen:
+        try:
+            return addr.value_for_protocol("ip4")
+        except Exception:
+            continue
+    return "0.0.0.0"
 
 
 async def connect_lane(host: str, port: int, key: bytes, timeout: float) -> LaneStream:

@@ -1,0 +1,225 @@
+"""The `/peertrain/pipe/1.0.0` stream adapter: protocols/pipeline.py's sans-IO receiver
+pumped from libp2p streams, bounded queues both ways, deadlines on every write.
+
+Inbound (`serve_stream`): each message is decoded and checked by `PipeReceiver` before
+anything is allocated, then the sender is checked against the stage map (`claim`: a peer
+sending activations to stage s must host stage s - 1, and so on), then it is offered to
+the stage's `Inbox`, which holds at most `capacity` messages: one more is refused with a
+logged reason and never queued (a flood costs the flooder its micro-batches, not our
+memory). A message refused for its values (NaN, inf, targets outside the vocabulary) is
+dropped and its micro-batch reported lost. Any other violation closes the stream with a
+`RemoteProtocolError` naming it.
+
+Outbound (`Outbox`): one writer task per peer, fed by a bounded channel, opens its
+stream when it has something to send and keeps it; a write that fails or outlives its
+deadline closes the stream, and every message that was queued for that peer is reported
+lost (`on_lost`), so the worker drops those micro-batches at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from node.streams import StreamEnded, pump, write_chunks
+from protocols import pipeline as pipe
+from protocols.errors import RemoteProtocolError
+
+log = logging.getLogger("node.pipeline")
+
+IDLE_S = 300.0  # an inbound stream with no message for this long is closed
+# Generous: a live peer on a loaded machine (a testnet of many nodes on 2 cores) took
+# more than 5 s to answer a stream's negotiation; a dead one leaves the stage map anyway.
+OPEN_S = 15.0  # opening a stream to the next stage
+WRITE_S = 30.0  # one message's write
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """What the worker gets: a checked tensor, its header and who sent it."""
+
+    kind: str
+    step: int
+    mb: int
+    tensor: Any
+    sender: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A micro-batch that will not come back: a refused or unsendable message."""
+
+    kind: str
+    step: int
+    mb: int
+    reason: str
+
+
+class Inbox:
+    """The stage's bounded queue between the trio thread and the trainer thread."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._q: queue.Queue[Message | Lost] = queue.Queue(maxsize=capacity)
+        self.refused: Counter[str] = Counter()
+
+    def offer(self, item: Message | Lost) -> str | None:
+        """Queue `item`; the reason it was refused, or None."""
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            self.refused["queue full"] += 1
+            return f"the stage's queue holds {self.capacity} messages"
+        return None
+
+    def get(self, timeout: float) -> Message | Lost | None:
+        try:
+            return self._q.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+
+async def messages(stream: Any, receiver: pipe.PipeReceiver, idle_s: float = IDLE_S
+                   ) -> AsyncIterator[pipe.Event]:
+    """Every event of one inbound stream, until it ends between two messages (a clean
+    close); an end inside a message is `StreamEnded`, a violation `RemoteProtocolError`."""
+    while True:
+        with trio.move_on_after(idle_s) as idle:
+            try:
+                event = await pump(stream, receiver.next_event, receiver.receive_data)
+            except StreamEnded:
+                if receiver.between_messages:
+                    return
+                raise
+        if idle.cancelled_caught:
+            return
+        yield event
+
+
+async def serve_stream(stream: Any, peer: str, expect: pipe.Expect,
+                       claim: Callable[[str, str, int], str | None], inbox: Inbox,
+                       counters: Counter[str]) -> None:
+    """Feed one inbound stream's messages to `inbox` (see the module docstring).
+    `claim(peer, kind, stage)` returns why `peer` may not send `kind` for `stage` here
+    (its stage map says it hosts no neighbouring stage, or we host another stage now)."""
+    receiver = pipe.PipeReceiver(expect)
+    async for event in messages(stream, receiver):
+        h = event.header
+        problem = claim(peer, h.kind, h.stage)
+        if problem is not None:
+            counters["refused: stage claim"] += 1
+            raise RemoteProtocolError(problem)
+        if isinstance(event, pipe.Refused):
+            counters["refused: values"] += 1
+            log.warning("refused %s from %s: %s", h.kind, peer, event.reason,
+                        extra={"peer": peer, "reason": "pipe values"})
+            inbox.offer(Lost(h.kind, h.step, h.mb, event.reason))
+            continue
+        nbytes = event.tensor.numel() * (8 if h.kind == "tgt" else 2)
+        counters[f"received {h.kind}"] += 1
+        counters[f"received bytes {h.kind}"] += nbytes
+        reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer))
+        if reason is not None:
+            log.warning("refused %s of step %d micro-batch %d from %s: %s", h.kind, h.step,
+                        h.mb, peer, reason, extra={"peer": peer, "reason": "pipe full"})
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    kind: pipe.Kind
+    stage: int  # the receiver's stage
+    step: int
+    mb: int
+    tensor: Any
+
+
+class Outbox:
+    """Writer tasks, one per peer, each with a bounded queue of `capacity` messages."""
+
+    def __init__(self, substrate: Any, run_id: str, capacity: int,
+                 on_lost: Callable[[Outgoing, str], None]) -> None:
+        self.substrate = substrate
+        self.run_id = run_id
+        self.capacity = capacity
+        self.on_lost = on_lost
+        self._queues: dict[str, trio.MemorySendChannel[Outgoing]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.counters: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()  # peer -> failed writes
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await trio.sleep_forever()
+
+    def send(self, peer: str, msg: Outgoing) -> None:
+        """Queue `msg` for `peer` (trio thread, never blocks); a full queue loses it."""
+        chan = self._queues.get(peer)
+        if chan is None:
+            if self._nursery is None:
+                self.on_lost(msg, "the outbox is not running")
+                return
+            chan, receive = trio.open_memory_channel[Outgoing](self.capacity)
+            self._queues[peer] = chan
+            self._nursery.start_soon(self._writer, peer, receive)
+        try:
+            chan.send_nowait(msg)
+        except trio.WouldBlock:
+            self.counters["lost: queue full"] += 1
+            self.on_lost(msg, f"{self.capacity} messages already queued for {peer}")
+
+    async def _writer(self, peer: str, receive: trio.MemoryReceiveChannel[Outgoing]) -> None:
+        from libp2p.peer.id import ID
+
+        stream = None
+        async for msg in receive:
+            try:
+                if stream is None:
+                    with trio.fail_after(OPEN_S):
+                        stream = await self.substrate.open_stream(ID.from_base58(peer),
+                                                                  pipe.PROTOCOL_ID)
+                chunks = pipe.encode(msg.kind, self.run_id, msg.stage, msg.step, msg.mb,
+                                     msg.tensor)
+                t0 = time.monotonic()
+                with trio.fail_after(WRITE_S):
+                    await write_chunks(stream, chunks)
+                self.counters[f"sent {msg.kind}"] += 1
+                self.counters[f"sent bytes {msg.kind}"] += sum(
+                    len(memoryview(c).cast("B")) for c in chunks[2:])
+                self.counters["write_ms"] += int((time.monotonic() - t0) * 1000)
+            except Exception as e:  # a dead or slow peer: this message and the queue lost
+                self.failures[peer] += 1
+                log.info("pipe to %s failed (%r): %s of step %d micro-batch %d lost", peer, e,
+                         msg.kind, msg.step, msg.mb)
+                self.on_lost(msg, f"send to {peer} failed: {e!r}")
+                if stream is not None:
+                    await _close(stream)
+                    stream = None
+                while True:  # what waited behind it would only time out too
+                    try:
+                        self.on_lost(receive.receive_nowait(), f"send to {peer} failed")
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+
+    def statistics(self) -> dict[str, Any]:
+        return {"queued": {p: c.statistics().current_buffer_used
+                           for p, c in self._queues.items()},
+                "failures": dict(self.failures)}
+
+
+async def _close(stream: Any) -> None:
+    try:
+        with trio.move_on_after(2):
+            await stream.close()
+    except Exception:
+        pass

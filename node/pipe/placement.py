@@ -1,0 +1,108 @@
+"""Which stage a node hosts, and who hosts each stage: pure functions of the live view.
+
+Every node computes the same answers from the same view, so placement needs no
+coordinator. A joiner takes the stage with the fewest live hosts (ties: the lowest stage).
+Nodes that joined at the same moment all see the same empty map and pick the same stage;
+`rebalance` then moves them apart one at a time: while the fullest stage has two hosts
+more than the emptiest, the fullest stage's host with the highest peer id moves to the
+lowest of the emptiest stages. Before training starts any move is free (every stage
+starts from the run's seed); once a node trains, it moves only to a stage left with no
+host at all (CheckFree rebuilds it there), never to even out replicas.
+
+Routing between replicas (node/pipeline/schedule.py): replicas of a stage are numbered by
+sorted peer id; with as many replicas in the next stage, micro-batch k goes to
+`route(seed, step, k, s, R)[r]`; with a different count (churn), replica r % R_next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+
+def stage_map(hosts: Mapping[str, int], stages: int) -> list[list[str]]:
+    """stage -> its live hosts, sorted by peer id (replica r is entry r)."""
+    out: list[list[str]] = [[] for _ in range(stages)]
+    for peer, s in hosts.items():
+        if isinstance(s, int) and 0 <= s < stages:
+            out[s].append(peer)
+    for row in out:
+        row.sort()
+    return out
+
+
+def choose(hosts: Mapping[str, int], stages: int) -> int:
+    """The stage with the fewest live hosts; ties go to the lowest stage."""
+    counts = [len(row) for row in stage_map(hosts, stages)]
+    return counts.index(min(counts))
+
+
+YOUNGER_S = 30.0  # an uptime this much lower marks the younger of two trained hosts
+
+
+def rebalance(me: str, hosts: Mapping[str, int], stages: int, *, training: bool,
+              settled: Collection[str] = (), uptime: Mapping[str, float] | None = None
+              ) -> int | None:
+    """The stage `me` should move to now, or None to stay (see the module docstring).
+
+    `settled`: hosts whose stage already trains. A node that has not started yet moves
+    before one that has (a replacement that took a full stage on a stale view, not the
+    trained host beside it): the donor is the fullest stage holding an unsettled host, if
+    any, and the mover its unsettled host with the highest id. Among trained hosts only,
+    the youngest (`uptime`, from heartbeats) moves when it is YOUNGER_S younger than every
+    other: the replacement that took a full stage on a stale view and had started already,
+    not the host that trained that stage for an hour."""
+    smap = stage_map(hosts, stages)
+    counts = [len(row) for row in smap]
+    low, high = min(counts), max(counts)
+    if high - low < 2 or (training and low > 0):
+        return None
+    fullest = [s for s, c in enumerate(counts) if c == high]
+    fresh = [s for s in fullest if any(p not in settled for p in smap[s])]
+    donor = (fresh or fullest)[0]
+    candidates = [p for p in smap[donor] if p not in settled]
+    mover = candidates[-1] if candidates else smap[donor][-1]
+    if not candidates and uptime:
+        ages = sorted((uptime.get(p, 0.0), p) for p in smap[donor])
+        if len(ages) > 1 and ages[1][0] - ages[0][0] >= YOUNGER_S:
+            mover = ages[0][1]
+    if mover != me:
+        return None
+    return counts.index(low)
+
+
+def complete(smap: Sequence[Sequence[str]]) -> bool:
+    """Every stage has a host: a micro-batch can go the whole way."""
+    return all(smap)
+
+
+def balanced(smap: Sequence[Sequence[str]]) -> bool:
+    counts = [len(row) for row in smap]
+    return max(counts) - min(counts) <= 1
+
+
+def route(seed: int, step: int, micro_batch: int, stage: int, replicas: int) -> list[int]:
+    """schedule.route without torch (the trio thread routes before torch is needed):
+    the same numpy draw, so both give the same permutation (tests check it)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, step, micro_batch, stage]))
+    return [int(x) for x in rng.permutation(replicas)]
+
+
+def next_replica(seed: int, step: int, micro_batch: int, stage: int, replica: int,
+                 counts: Sequence[int], routing: str) -> int:
+    """The replica of stage + 1 that replica `replica` of `stage` sends `micro_batch` to."""
+    here, there = counts[stage], counts[stage + 1]
+    if routing == "random" and here == there and there > 1:
+        return route(seed, step, micro_batch, stage, there)[replica]
+    return replica % there
+
+
+def last_replica(seed: int, step: int, micro_batch: int, replica: int,
+                 counts: Sequence[int], routing: str) -> int:
+    """The replica of the last stage a micro-batch leaving first-stage `replica` reaches
+    (where its targets go)."""
+    at = replica
+    for s in range(len(counts) - 1):
+        at = next_replica(seed, step, micro_batch, s, at, counts, routing)
+    return at

@@ -1,0 +1,608 @@
+"""The pipeline service: this node hosts one stage of a pipeline run (docs/pipeline.md).
+
+On start it picks its stage from the live membership (placement.py: the stage with the
+fewest live hosts, ties to the lowest), writes it in its own namespace of the run
+document (`peer/<id>/stage`) and in its heartbeats (so every view has it within a
+second), and keeps the choice in line with membership: until training starts, nodes
+that joined together move apart (placement.rebalance). Training starts once every stage
+has a host, the replicas are balanced and the map has been stable for SETTLE_S; then the
+stage's worker (worker.py) runs in the trainer thread, torch's own, and this service
+carries its messages on `/peertrain/pipe/1.0.0` (links.py) on the trio thread.
+
+Routing: replicas are numbered by sorted peer id (placement.next_replica). Activations
+go to the next stage's replica the seeded route names, targets straight to the last
+stage replica the micro-batch will reach, gradients back to whoever sent the
+activations, the head gradient from the last stage to every first-stage host, the tied
+matrix from first-stage replica r to the last-stage replicas q with q % R0 == r.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from node.pipe import placement
+from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
+from protocols import manifest as mf
+from protocols import pipeline as pipe
+from protocols.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+
+    from node.service import NodeContext
+    from node.training.rounds import TrainingStats
+
+log = logging.getLogger("node.pipeline")
+
+SETTLE_S = 3.0  # the stage map must hold this long before training starts
+FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
+JOIN_TIMEOUT_S = 30.0
+FETCH_TRIES = 3
+FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
+
+
+class PipelineService:
+    name = "pipeline"
+    protocols = (pipe.PROTOCOL_ID, pipe.WEIGHTS_PROTOCOL_ID)
+
+    def __init__(self, manifest: mf.Manifest, run_id: str, progress: TrainingStats,
+                 data: list[str] | None = None, device: str = "cpu") -> None:
+        p = manifest.pipeline
+        if p is None:
+            raise ValueError("not a pipeline run")
+        self.m = manifest
+        self.run_id = run_id
+        self.progress = progress
+        self.data = data
+        self.device = device
+        self.n = p.stages
+        self.M = p.micro_batches
+        self.layers = mf.stage_layers(manifest.model.n_layers, p.stages, tuple(p.layers))
+        self.stage: int | None = None
+        self.moves = 0
+        self.phase = "choosing a stage"
+        self.training = False
+        self.inbox = Inbox(capacity=4 * self.M + 8)
+        self.counters: Counter[str] = Counter()
+        self.outbox: Outbox | None = None
+        self.worker: Any = None
+        self._ctx: NodeContext | None = None
+        self._stop = threading.Event()  # the running worker's
+        self._move_to: int | None = None  # a takeover asked by membership
+        self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run
+        self.weights_served = 0
+
+    # -- the stage map -------------------------------------------------------------------
+
+    def live(self) -> list[Any]:
+        """The membership view's live peers, less those whose last heartbeat was written
+        more than FRESH_S ago (its `t`): gossip re-delivered heartbeats minutes old (a
+        relay's backlog, a seen-cache that expired) and they made a killed host look live
+        and a swarm step 200 steps old look current."""
+        ctx = self._ctx
+        assert ctx is not None
+        now = time.time()
+        out = []
+        for e in ctx.membership.live():
+            t = (e.info.get("stats") or {}).get("t")
+            if isinstance(t, int | float) and not isinstance(t, bool) and now - t > FRESH_S:
+                continue
+            out.append(e)
+        return out
+
+    def swarm_step(self) -> int:
+        """The highest step a fresh live peer reports."""
+        steps = [(e.info.get("stats") or {}).get("step") for e in self.live()]
+        return max((x for x in steps if type(x) is int), default=0)
+
+    def hosts(self) -> dict[str, int]:
+        """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
+        ctx = self._ctx
+        assert ctx is not None
+        doc = ctx.run.document if ctx.run else None
+        out: dict[str, int] = {}
+        for e in self.live():
+            if e.info.get("role") != "node" or e.peer_id == ctx.peer_id:
+                continue
+            s = (e.info.get("stats") or {}).get("stage")
+            if type(s) is not int and doc is not None:
+                s = doc.get(f"peer/{e.peer_id}/stage")
+            if type(s) is int and 0 <= s < self.n:
+                out[e.peer_id] = s
+        if self.stage is not None:
+            out[ctx.peer_id] = self.stage
+        return out
+
+    def settled(self) -> set[str]:
+        """Live hosts whose stage trains already (their heartbeats say `staged`)."""
+        ctx = self._ctx
+        assert ctx is not None
+        out = {e.peer_id for e in self.live()
+               if (e.info.get("stats") or {}).get("staged") == 1}
+        if self.training:
+            out.add(ctx.peer_id)
+        return out
+
+    def uptimes(self) -> dict[str, float]:
+        """Live nodes' uptimes (heartbeats; ours from the clock): placement moves the
+        youngest of a stage's trained hosts."""
+        ctx = self._ctx
+        assert ctx is not None
+        out = {}
+        for e in self.live():
+            u = (e.info.get("stats") or {}).get("uptime")
+            if isinstance(u, int | float) and not isinstance(u, bool):
+                out[e.peer_id] = float(u) + (time.monotonic() - e.last_seen)
+        out[ctx.peer_id] = time.monotonic() - ctx.phases.started
+        return out
+
+    def stage_map(self) -> list[list[str]]:
+        return placement.stage_map(self.hosts(), self.n)
+
+    def claim(self, peer: str, kind: str, stage: int) -> str | None:
+        """Why `peer` may not send `kind` for `stage` here (None: it may)."""
+        s = self.stage
+        assert s is not None
+        if stage != s:
+            return f"{kind} for stage {stage} from {peer}: this node hosts stage {s} now"
+        sender = {"act": s - 1, "grad": s + 1, "tgt": 0, "tied": 0,
+                  "tgrad": self.n - 1}.get(kind, -1)
+        if 0 <= sender < self.n and peer in self.stage_map()[sender]:
+            return None
+        return f"{kind} for stage {s} from {peer}, which does not host stage {sender}"
+
+    def _set_stage(self, stage: int) -> None:
+        ctx = self._ctx
+        assert ctx is not None and ctx.run is not None
+        if self.stage is not None and stage != self.stage:
+            self.moves += 1
+            log.info("pipeline: moving from stage %d to stage %d", self.stage, stage)
+        else:
+            log.info("pipeline: hosting stage %d of %d", stage, self.n)
+        self.stage = stage
+        ctx.run.stage = stage  # heartbeats and the run document's stats carry it
+        from node.run.rundoc_sync import now_ms, topic
+
+        doc = ctx.run.document
+        key = f"peer/{ctx.peer_id}/stage"
+        doc.set(key, stage, now_ms())
+        entry = doc.entry(key)
+        if entry is not None:
+            ctx.publisher.publish_nowait(topic(self.run_id), doc.encode_delta([entry]))
+
+    # -- the service ---------------------------------------------------------------------
+
+    async def run(self, ctx: NodeContext, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._ctx = ctx
+        self.outbox = Outbox(ctx.substrate, self.run_id, capacity=4 * self.M + 8,
+                             on_lost=self._on_lost)
+        ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
+        ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.outbox.run)
+            with trio.move_on_after(FIRST_VIEW_S):
+                while ctx.membership.first_peer_after_s is None:
+                    await trio.sleep(0.1)
+            # Heartbeats that queued while torch's import held this thread were stamped
+            # live when processed, a killed host's among them, with old stats (seen: a
+            # replacement took a stage whose host was dead, on a swarm step 2 minutes old).
+            # One ttl later those have expired and every live peer has beaten again.
+            if time.monotonic() - ctx.phases.started > ctx.config.peer_ttl_s:
+                await trio.sleep(ctx.config.peer_ttl_s)
+            self._set_stage(placement.choose(self.hosts(), self.n))
+            nursery.start_soon(self._follow_membership, ctx)
+            task_status.started()
+            await self._wait_to_start(ctx)
+            try:
+                await self._train()
+            except Exception as e:
+                from node.errors import TrainingFailed
+
+                log.error("pipeline stopped: %s: %s", type(e).__name__, e)
+                raise TrainingFailed(f"pipeline stopped: {type(e).__name__}: {e}") from e
+            nursery.cancel_scope.cancel()
+
+    async def _follow_membership(self, ctx: NodeContext) -> None:
+        """Keep the stage choice in line with the live view (placement.rebalance)."""
+        while True:
+            await trio.sleep(ctx.config.heartbeat_s)
+            move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
+                                       training=self.training, settled=self.settled(),
+                                       uptime=self.uptimes())
+            if move is None:
+                continue
+            if not self.training:
+                self._set_stage(move)
+            elif self._move_to is None and self.worker is not None:
+                log.warning("pipeline: stage %d has no live host; this node (stage %s, "
+                            "which keeps %d more) takes it over", move, self.stage,
+                            len(self.stage_map()[self.stage or 0]) - 1)
+                self._move_to = move
+                self._stop.set()
+
+    async def _wait_to_start(self, ctx: NodeContext) -> None:
+        self.phase = "waiting for stages"
+        self.progress.phase = "waiting for stages"
+        stable_since, last = time.monotonic(), None
+        while True:
+            smap = self.stage_map()
+            if smap != last:
+                stable_since, last = time.monotonic(), smap
+            if (placement.complete(smap) and placement.balanced(smap)
+                    and time.monotonic() - stable_since >= SETTLE_S):
+                break
+            await trio.sleep(0.2)
+        self.training = True
+        assert ctx.run is not None
+        ctx.run.stage_training = True
+        self.phase = "training"
+        log.info("pipeline: training stage %d; map %s", self.stage,
+                 {s: [p[-6:] for p in row] for s, row in enumerate(smap)})
+
+    async def _train(self) -> None:
+        """Run the stage's worker; when membership moves this node to a stage left with no
+        host (a takeover), stop it, rebuild the new stage (`_recover`) and run that."""
+        while True:
+            await self._run_worker()
+            move = self._move_to
+            if move is None:
+                return
+            self._move_to = None
+            self._set_stage(move)
+            while self.inbox.get(0) is not None:  # what came for the old stage
+                pass
+
+    async def _run_worker(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        failure: list[BaseException] = []
+        done = trio.Event()
+        self._stop = threading.Event()
+
+        def post(to: tuple, kind: str, stage: int, step: int, mb: int, tensor: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
+                trio.from_thread.run_sync(self._dispatch, to, Outgoing(
+                    kind, stage, step, mb, tensor), trio_token=token)  # type: ignore[arg-type]
+
+        self.worker = None
+        worker = await trio.to_thread.run_sync(self._build_worker, post)
+        await self._recover(worker)
+        self.worker = worker
+
+        def main() -> None:
+            import torch
+
+            from node.training.service import _lower_priority
+
+            _lower_priority()
+            try:
+                torch.set_num_threads(self.m.train.threads)
+                worker.run()
+            except BaseException as e:
+                self.progress.phase = "failed"
+                self.progress.error = f"{type(e).__name__}: {e}"
+                failure.append(e)
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    trio.from_thread.run_sync(done.set, trio_token=token)
+
+        thread = threading.Thread(target=main, daemon=True, name="peertrain-stage")
+        thread.start()
+        try:
+            await done.wait()
+        finally:
+            worker.stop.set()
+            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
+                waited.shield = True
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+        if failure:
+            raise failure[0]
+
+    def _build_worker(self, post: Any) -> Any:
+        """In the trainer thread: the stage from the run's seed, its runner, its data."""
+        import torch
+
+        from node.pipe.worker import StageWorker
+        from node.pipeline.runner import StageOptim, StageRunner
+        from node.pipeline.stages import build_stages
+        from node.trainer.models import GPTConfig
+
+        m, s = self.m, self.stage
+        assert s is not None
+        torch.set_num_threads(m.train.threads)
+        config = GPTConfig(d_model=m.model.d_model, n_layers=m.model.n_layers,
+                           n_heads=m.model.n_heads, context=m.model.context)
+        stages = build_stages(config, self.layers, m.run.seed)
+        stage = stages[s]
+        if stage.is_last and not stage.is_first:
+            stage.set_tied(stages[0].wte.weight)
+        stage.to(self.device)
+        runner = StageRunner(stage, StageOptim(lr=m.train.lr, grad_clip=m.train.grad_clip),
+                             max_in_flight=2 * self.M)
+        self.progress.params = sum(p.numel() for p in stage.parameters())
+        batches = None
+        if s == 0:
+            batches = self._batches()
+        return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
+                           progress=self.progress, batches=batches,
+                           ready=lambda: placement.complete(self.stage_map()),
+                           device=self.device, first_step=self._swarm_step(),
+                           leader_step=self._leader_step)
+
+    def _leader_step(self) -> int:
+        """The highest step a live stage host reports (heartbeats): a first stage behind
+        it (a late replica, one restarted from the seed) would send only stale work."""
+        assert self._ctx is not None
+        return self.swarm_step()
+
+    def _swarm_step(self) -> int:
+        """Where a stage that starts late starts counting: the swarm's step (a driver that
+        started at 0 would send micro-batches every other stage refuses as stale)."""
+        assert self._ctx is not None
+        return self.swarm_step()
+
+    def _batches(self) -> Any:
+        import torch
+
+        from node.trainer.tasks import TaskConfig, build_task
+        from node.training.build import replica_index
+
+        m = self.m
+        ctx = self._ctx
+        assert ctx is not None
+        files = tuple(self.data) if self.data else (
+            tuple(m.data.paths) if m.data.source == "files" else ())
+        task = build_task(TaskConfig(
+            name=m.model.task, d_model=m.model.d_model, n_layers=m.model.n_layers,
+            n_heads=m.model.n_heads, context=m.model.context, data_files=files,
+            data_format=m.data.format, jsonl_field=m.data.jsonl_field,
+            val_fraction=m.data.val_fraction))
+        gen = torch.Generator().manual_seed(m.run.seed * 1_000_003 + replica_index(ctx.peer_id))
+        return lambda: task.train_batch(m.train.batch_size, gen)
+
+    # -- recovery: a stage that starts while the run trains --------------------------------
+
+    async def _recover(self, worker: Any) -> None:
+        """Mid-run, a stage is not drawn from the seed: it is copied from a live replica,
+        or, with none left, rebuilt from its neighbours (CheckFree; docs/pipeline.md)."""
+        ctx, s, p = self._ctx, self.stage, self.m.pipeline
+        assert ctx is not None and s is not None and p is not None
+        swarm = self.swarm_step()
+        if swarm == 0:
+            return  # a fresh run: every stage starts from the run's seed
+        t0 = time.monotonic()
+        smap = self.stage_map()
+        stage = worker.runner.stage
+        replicas = [q for q in smap[s] if q != ctx.peer_id]
+        if replicas:
+            shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
+            for peer in replicas:
+                try:
+                    got = await self._fetch(peer, s, "all", shapes)
+                except Exception as e:
+                    log.warning("pipeline: copying stage %d from %s failed: %s", s, peer, e)
+                    continue
+                await trio.to_thread.run_sync(worker.load_copy, got.tensors)
+                self._recovered("copy", [peer], t0, swarm)
+                return
+        if p.recovery == "none":
+            self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
+            return
+        from node.recovery.checkfree import RecoveryError, plan
+
+        try:
+            how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
+            if how.rule == "none" or how.ends:
+                raise RecoveryError(f"stage {s} holds the (de)embedding: its neighbours' "
+                                    "copies are not kept live yet")
+            shapes = {k: tuple(v.shape) for k, v in stage.blocks.state_dict().items()}
+            blocks: dict[int, Any] = {}
+            norms: dict[int, float] = {}
+            sources: list[str] = []
+            for j in how.sources:
+                if not smap[j]:
+                    raise RecoveryError(f"stage {j}, a source of stage {s}, has no live host")
+                peer = smap[j][0]
+                got = await self._fetch(peer, j, "blocks", shapes)
+                blocks[j] = got.tensors
+                gossiped = self._gossiped_norm(peer)
+                norms[j] = gossiped if gossiped is not None else got.gnorm
+                sources.append(peer)
+            await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
+                                          self.m.train.grad_clip, p.lr_boost)
+        except Exception as e:  # RecoveryError, BadGradNorm, a neighbour gone: the seed's
+            log.warning("pipeline: stage %d cannot be rebuilt (%s); it starts from the "
+                        "seed's weights", s, e)
+            self._recovered("none", [], t0, swarm, str(e))
+            return
+        self._recovered(how.rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+
+    def _recovered(self, rule: str, sources: list[str], t0: float, step: int,
+                   reason: str | None = None, norms: dict[str, float] | None = None) -> None:
+        self.recovery = {"rule": rule, "sources": sources, "at_step": step,
+                         "seconds": round(time.monotonic() - t0, 3), "reason": reason,
+                         "norms": norms}
+        log.info("pipeline: stage %s started mid-run at step %d by %s from %s (%.2f s)%s",
+                 self.stage, step, rule, sources, time.monotonic() - t0,
+                 f": {reason}" if reason else "")
+
+    def _gossiped_norm(self, peer: str) -> float | None:
+        ctx = self._ctx
+        assert ctx is not None
+        for e in self.live():
+            if e.peer_id == peer:
+                v = (e.info.get("stats") or {}).get("gnorm")
+                return v if isinstance(v, int | float) and not isinstance(v, bool) else None
+        return None
+
+    async def _fetch(self, peer: str, stage: int, part: str,
+                     shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
+        """`_fetch_once`, tried FETCH_TRIES times: on a loaded machine a joiner's first
+        stream negotiation can outlast py-libp2p's own timeout (seen: the host had the
+        stream, the asker had given up); a refusal with a reason is not retried."""
+        for attempt in range(FETCH_TRIES):
+            try:
+                return await self._fetch_once(peer, stage, part, shapes)
+            except Exception as e:
+                if isinstance(e, RemoteProtocolError) or attempt == FETCH_TRIES - 1:
+                    raise
+                log.info("pipeline: fetching stage %d from %s failed (%s); trying again",
+                         stage, peer, e)
+        raise AssertionError("unreachable")
+
+    async def _fetch_once(self, peer: str, stage: int, part: str,
+                          shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
+        """Stage `stage`'s weights ("blocks" or "all") from `peer`, checked against
+        `shapes` before anything is allocated (protocols/pipeline.WeightsReceiver)."""
+        from libp2p.peer.id import ID
+
+        from node.streams import pump
+
+        ctx = self._ctx
+        assert ctx is not None
+        with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
+            stream = await ctx.substrate.open_stream(ID.from_base58(peer),
+                                                     pipe.WEIGHTS_PROTOCOL_ID)
+            try:
+                await stream.write(pipe.encode_weights_request(self.run_id, stage, part))
+                rx = pipe.WeightsReceiver(self.run_id, stage, shapes)
+                event = await pump(stream, rx.next_event, rx.receive_data)
+            finally:
+                with contextlib.suppress(Exception), trio.move_on_after(2):
+                    await stream.close()
+        if isinstance(event, pipe.NoWeights):
+            raise RemoteProtocolError(f"{peer} has no weights of stage {stage}: {event.reason}")
+        return event
+
+    async def _serve_weights(self, stream: INetStream) -> None:
+        from node.streams import next_event, write_chunks
+
+        try:
+            with trio.fail_after(10):
+                decoder = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+                stage, part = pipe.check_weights_request(await next_event(stream, decoder),
+                                                         self.run_id)
+            worker = self.worker
+            if worker is None or stage != self.stage:
+                await stream.write(pipe.encode_no_weights(
+                    f"this node hosts stage {self.stage}, not {stage}" if worker
+                    else "not training yet"))
+                return
+            step, gnorm, state = await trio.to_thread.run_sync(worker.snapshot, part)
+            with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
+                await write_chunks(stream, pipe.encode_weights(self.run_id, stage, step,
+                                                               gnorm, state))
+            self.weights_served += 1
+        finally:
+            with contextlib.suppress(Exception), trio.move_on_after(2):
+                await stream.close()
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _dispatch(self, to: tuple, msg: Outgoing) -> None:
+        """Trio thread: pick the peer(s) for one of the worker's messages and queue it."""
+        ctx, outbox = self._ctx, self.outbox
+        assert ctx is not None and outbox is not None and self.stage is not None
+        smap = self.stage_map()
+        counts = [len(row) for row in smap]
+        me = ctx.peer_id
+        r = smap[self.stage].index(me) if me in smap[self.stage] else 0
+        p = self.m.pipeline
+        assert p is not None
+        peers: list[str] = []
+        try:
+            if to[0] == "peer":
+                peers = [to[1]]
+            elif to[0] == "next":
+                q = placement.next_replica(self.m.run.seed, to[1], to[2], self.stage, r,
+                                           counts, p.routing)
+                peers = [smap[self.stage + 1][q]]
+            elif to[0] == "last":
+                q = placement.last_replica(self.m.run.seed, to[1], to[2], r, counts, p.routing)
+                peers = [smap[-1][q]]
+            elif to[0] == "stage":
+                row = smap[to[1]]
+                if msg.kind == "tied":  # first-stage replica r feeds last replicas r mod R0
+                    peers = [q for i, q in enumerate(row) if i % max(1, counts[0]) == r]
+                else:
+                    peers = list(row)
+        except (IndexError, ZeroDivisionError):
+            peers = []
+        if not peers:
+            self._on_lost(msg, f"no live host for {msg.kind} to stage {msg.stage}")
+            return
+        for peer in peers:
+            outbox.send(peer, msg)
+
+    def _on_lost(self, msg: Outgoing, reason: str) -> None:
+        self.counters[f"lost {msg.kind}"] += 1
+        if msg.kind in ("act", "tgt"):  # our micro-batch will not come back
+            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason))
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            # Messages may come before our worker runs (a neighbour saw the map complete a
+            # moment before we did): the bounded inbox holds them until it does.
+            if self.stage is None:
+                self.counters["refused: no stage yet"] += 1
+                return
+            await serve_stream(stream, peer, self._expect(), self.claim, self.inbox,
+                               self.counters)
+        finally:
+            try:
+                with trio.move_on_after(2):
+                    await stream.close()
+            except Exception:
+                pass
+
+    def _expect(self) -> pipe.Expect:
+        s = self.stage
+        assert s is not None
+        kinds = {"act", "grad"}
+        if s == 0:
+            kinds = {"grad", "tgrad"}
+        elif s == self.n - 1:
+            kinds = {"act", "tgt", "tied"}
+        m = self.m
+        return pipe.Expect(self.run_id, s, m.model.d_model, m.train.batch_size // self.M,
+                           m.model.context, self.M, frozenset(kinds))
+
+    # -- status --------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        if self._ctx is None:
+            return {"phase": "starting"}
+        smap = self.stage_map()
+        out = self.outbox.counters if self.outbox else Counter()
+        sent = {k: out.get(f"sent {k}", 0) for k in ("act", "grad", "tgt", "tied", "tgrad")}
+        per_mb = {k: round(out.get(f"sent bytes {k}", 0) / sent[k]) for k in ("act", "grad")
+                  if sent[k]}
+        return {
+            "phase": self.phase,
+            "stage": self.stage,
+            "stages": self.n,
+            "layers": list(self.layers),
+            "micro_batches_per_step": self.M,
+            "moves": self.moves,
+            "map": {str(s): row for s, row in enumerate(smap)},
+            "training": self.progress.snapshot(),
+            "worker": self.worker.stats.snapshot() if self.worker else None,
+            "sent": sent,
+            "bytes_per_micro_batch": per_mb,
+            "received": {k: v for k, v in self.counters.items() if k.startswith("received")},
+            "refused": {**{k: v for k, v in self.counters.items()
+                           if k.startswith(("refused", "lost"))},
+                        **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
+            "queued": self.inbox.qsize(),
+            "recovery": self.recovery,
+            "weights_served": self.weights_served,
+            "outbox": self.outbox.statistics() if self.outbox else {},
+        }

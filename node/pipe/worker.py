@@ -1,0 +1,394 @@
+"""One pipeline stage's loop, in the trainer thread (torch lives here; docs/architecture.md).
+
+The worker owns a `StageRunner` (node/pipeline/runner.py) and talks to the trio thread
+through the stage's `Inbox` (messages in) and `post` (messages out: the trio side picks
+the peer). It never waits without a deadline:
+
+* The first stage drives: each step it reads a batch, cuts it into micro-batches, sends
+  each one's activations to the next stage and its targets to the last stage, then waits
+  for the gradients (and the last stage's head gradient) until the step's deadline; what
+  has not come back by then is dropped (`StageRunner.drop`), the rest steps. It then
+  sends the updated tied matrix to the last stage.
+* Any other stage serves: activations in -> forward -> out, gradients in -> backward ->
+  back to whoever sent the activations. A stage steps when all of the step's
+  micro-batches are back, when a newer step's activations arrive, or when the step has
+  been quiet past its deadline; older micro-batches are refused as stale.
+* The last stage computes the loss once a micro-batch's activations and targets are both
+  in, sends its head gradient to the first stage when it steps, and uses the newest tied
+  matrix (waiting for the one of the step, within the deadline, before its first
+  micro-batch).
+
+The deadline is measured: 4 x the EWMA of the step's round trip, at least MIN_WAIT_S
+(FIRST_WAIT_S before the first step completes: every stage warms up then).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.pipe.links import Inbox, Lost, Message
+
+log = logging.getLogger("node.pipeline")
+
+MIN_WAIT_S = 5.0
+FIRST_WAIT_S = 60.0
+POLL_S = 0.5
+
+
+@dataclass
+class WorkerStats:
+    micro_batches: int = 0  # done here (forward and backward)
+    dropped: int = 0  # lost: a dead peer, a deadline, a refused message
+    stale: int = 0  # arrived for a step already over
+    steps: int = 0
+    stale_tied: int = 0  # last stage: steps run on the previous tied matrix
+    step_s: float = 0.0  # EWMA of a step's wall time
+    started: float = field(default_factory=time.monotonic)
+    first_mb_at: float | None = None
+    last_reason: str | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        since = self.first_mb_at
+        rate = (self.micro_batches / (time.monotonic() - since)
+                if since is not None and time.monotonic() > since else 0.0)
+        return {"micro_batches": self.micro_batches, "dropped": self.dropped,
+                "stale": self.stale, "steps": self.steps, "stale_tied": self.stale_tied,
+                "step_s": round(self.step_s, 3), "micro_batches_per_s": round(rate, 2),
+                "last_drop": self.last_reason}
+
+
+Post = Callable[[tuple, str, int, int, int, Any], None]  # (to, kind, stage, step, mb, t)
+
+
+class StageWorker:
+    def __init__(self, runner: Any, n_stages: int, micro_batches: int, inbox: Inbox,
+                 post: Post, stop: threading.Event, *, progress: Any,
+                 batches: Callable[[], tuple[Any, Any]] | None = None,
+                 ready: Callable[[], bool] = lambda: True, device: str = "cpu",
+                 first_step: int = 0, leader_step: Callable[[], int] = lambda: 0,
+                 first_wait_s: float = FIRST_WAIT_S) -> None:
+        self.runner = runner
+        self.stage = runner.stage.index
+        self.n_stages = n_stages
+        self.M = micro_batches
+        self.inbox = inbox
+        self.post = post
+        self.stop = stop
+        self.progress = progress  # TrainingStats: step, loss for heartbeats and status
+        self.batches = batches
+        self.ready = ready
+        self.device = device
+        self.step = first_step
+        self.first_wait_s = first_wait_s  # the deadline until a step has been measured
+        # First-stage replicas keep in step: one behind the most advanced replica's step
+        # jumps to it (else its micro-batches reach stages already past that step, stale).
+        self.leader_step = leader_step
+        self.stats = WorkerStats()
+        self.tied_version = 0  # last stage: the step its tied matrix is for
+        # Held while the weights change (a step, a recovery) so that a snapshot served to
+        # a recovering neighbour (`snapshot`, from another thread) is one step's weights.
+        self.lock = threading.Lock()
+
+    # -- recovery (called from other threads before run(), or while it runs) ------------
+
+    def snapshot(self, part: str) -> tuple[int, float, dict[str, Any]]:
+        """(step, gradient norm after clipping, weights): "blocks" or "all" of the stage."""
+        stage = self.runner.stage
+        with self.lock:
+            if part == "blocks":
+                state = stage.blocks_state()
+            else:
+                state = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+            return self.progress.step, float(self.runner.grad_norm), \
+                {k: v.cpu() for k, v in state.items()}
+
+    def load_copy(self, state: dict[str, Any]) -> None:
+        """A live replica's weights (a stage that still has one is copied, not rebuilt)."""
+        with self.lock:
+            self.runner.stage.load_state_dict(state, strict=True)
+
+    def rebuild(self, plan: Any, blocks: dict[int, Any], norms: dict[int, float],
+                grad_clip: float, lr_boost: float) -> None:
+        """CheckFree: the lost stage's blocks from its neighbours', a fresh Adam at lr x
+        lr_boost (node/recovery/checkfree.py checks the norms and the weights)."""
+        from node.recovery.checkfree import rebuild_blocks
+
+        state = rebuild_blocks(plan, blocks, norms, grad_clip)
+        with self.lock:
+            if state is not None:
+                self.runner.stage.load_blocks_state(state)
+            self.runner.reset_optimizer(lr_boost)
+
+    # -- common ---------------------------------------------------------------------------
+
+    def wait_s(self) -> float:
+        if self.stats.step_s == 0:
+            return self.first_wait_s
+        return max(MIN_WAIT_S, 4 * self.stats.step_s)
+
+    def _timed(self, t0: float, last_back: float | None) -> None:
+        """Count a step. Its time is until its last gradient came back (None: none did),
+        never until a deadline that expired: that would stretch the deadline it is
+        measured against, and a step that always loses one micro-batch still measures."""
+        st = self.stats
+        if last_back is not None:
+            dt = last_back - t0
+            st.step_s = dt if st.step_s == 0 else 0.7 * st.step_s + 0.3 * dt
+        st.steps += 1
+        self.progress.compute_s += time.monotonic() - t0
+
+    def _lost(self, why: str, n: int = 1) -> None:
+        self.stats.dropped += n
+        self.stats.last_reason = why
+
+    def run(self) -> None:
+        self.progress.phase = "training"
+        if self.stage == 0:
+            while not self.stop.is_set():
+                if not self.ready():
+                    self.progress.phase = "waiting for stages"
+                    self.stop.wait(POLL_S)
+                    continue
+                self.progress.phase = "training"
+                self.drive_step()
+        else:
+            self.serve()
+
+    def _dev(self, t: Any) -> Any:
+        return t if self.device == "cpu" else t.to(self.device)
+
+    # -- the first stage -----------------------------------------------------------------
+
+    def drive_step(self) -> None:
+        """One step: micro-batches out, gradients back within the deadline, step."""
+        from node.pipeline.schedule import micro_batches
+
+        assert self.batches is not None
+        self.step = max(self.step, self.leader_step())
+        t, r = self.step, self.runner
+        t0 = time.monotonic()
+        x, y = self.batches()
+        pending = set()
+        for k, (xk, yk) in enumerate(micro_batches(x, y, self.M)):
+            out = r.forward(k, self._dev(xk))
+            pending.add(k)
+            self.post(("last", t, k), "tgt", self.n_stages - 1, t, k, yk)
+            self.post(("next", t, k), "act", 1, t, k, out)
+        if self.stats.first_mb_at is None:
+            self.stats.first_mb_at = t0
+        need_tied = True
+        done = 0
+        deadline = t0 + self.wait_s()
+        lost = 0
+        last_back: float | None = None
+        # the head gradient comes when the last stage has all M micro-batches: not after a loss
+        while (pending or (need_tied and not lost)) and not self.stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            item = self.inbox.get(min(left, POLL_S))
+            if item is None:
+                continue
+            if item.step != t:
+                self.stats.stale += 1
+                continue
+            if isinstance(item, Lost):
+                if item.kind in ("act", "grad", "tgt") and item.mb in pending:
+                    pending.discard(item.mb)
+                    r.drop(item.mb)
+                    self._lost(item.reason)
+                    lost += 1
+                continue
+            if item.kind == "grad" and item.mb in pending:
+                pending.discard(item.mb)
+                last_back = time.monotonic()
+                if self._backward(item) is False:
+                    lost += 1
+                    continue
+                done += 1
+            elif item.kind == "tgrad":
+                r.stage.add_tied_grad(self._dev(item.tensor))
+                need_tied = False
+                last_back = time.monotonic()
+        for k in pending:
+            r.drop(k)
+        if pending:
+            self._lost(f"step {t}: {len(pending)} micro-batches not back within "
+                       f"{self.wait_s():.1f} s", len(pending))
+        if done:
+            with self.lock:
+                r.step()
+            self.progress.grad_norm = round(r.grad_norm, 6)
+            self.stats.micro_batches += done
+        r.optimizer.zero_grad(set_to_none=True)
+        self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, t + 1, 0,
+                  r.stage.wte.weight.detach())
+        self.step = t + 1
+        self.progress.step = self.step
+        self._timed(t0, last_back)
+
+    # -- the other stages ----------------------------------------------------------------
+
+    def serve(self) -> None:
+        last = self.stage == self.n_stages - 1
+        r = self.runner
+        cur = -1  # the step being served
+        is_open = False  # cur still takes micro-batches
+        came_from: dict[int, str] = {}  # mb -> the peer its activations came from
+        seen: set[int] = set()  # micro-batches of cur already forwarded
+        done = 0
+        losses: list[float] = []
+        waiting: dict[tuple[str, int, int], Message] = {}  # last stage: acts/targets unpaired
+        t_start = quiet_since = time.monotonic()
+        last_back: float | None = None
+
+        def finish() -> None:
+            nonlocal done, losses, is_open, last_back
+            for k in list(came_from):
+                r.drop(k)
+                self._lost(f"step {cur}: micro-batch {k} not back in time")
+            came_from.clear()
+            if done:
+                if last and r.stage.tied_grad() is not None:
+                    self.post(("stage", 0), "tgrad", 0, cur, 0, r.stage.tied_grad().detach())
+                    r.stage.tied.grad = None
+                with self.lock:
+                    r.step()
+                self.progress.grad_norm = round(r.grad_norm, 6)
+                self._timed(t_start, last_back)
+                if losses:
+                    self.progress.loss = round(sum(losses) / len(losses), 4)
+            last_back = None
+            r.optimizer.zero_grad(set_to_none=True)
+            self.progress.step = cur + 1
+            done, losses, is_open = 0, [], False
+
+        def backward_done(mb: int, g: Any, to: str) -> None:
+            nonlocal done, last_back
+            last_back = time.monotonic()
+            self.post(("peer", to), "grad", self.stage - 1, cur, mb, g)
+            done += 1
+            self.stats.micro_batches += 1
+            if done == self.M:
+                finish()
+
+        while not self.stop.is_set():
+            item = self.inbox.get(POLL_S)
+            now = time.monotonic()
+            if item is None:
+                if is_open and now - quiet_since > self.wait_s():
+                    finish()
+                continue
+            quiet_since = now
+            if isinstance(item, Lost):
+                if item.step == cur and r.drop(item.mb):
+                    came_from.pop(item.mb, None)
+                    self._lost(item.reason)
+                continue
+            if last and item.kind == "tied":
+                if item.step >= self.tied_version:
+                    r.stage.set_tied(self._dev(item.tensor))
+                    self.tied_version = item.step
+                continue
+            if item.kind == "grad":
+                if item.step != cur or item.mb not in came_from:
+                    self.stats.stale += 1
+                    continue
+                sender = came_from.pop(item.mb)
+                g = self._backward(item)
+                if g is not False:
+                    backward_done(item.mb, g, sender)
+                continue
+            # activations (or, at the last stage, targets)
+            if item.step < cur or (item.step == cur and not is_open):
+                self.stats.stale += 1
+                continue
+            if item.step > cur:
+                if is_open:
+                    finish()
+                cur, is_open, t_start = item.step, True, now
+                seen.clear()
+                waiting = {k: v for k, v in waiting.items() if k[1] >= cur}
+                if self.stats.first_mb_at is None:
+                    self.stats.first_mb_at = now
+                if last:
+                    self._await_tied(cur, waiting)
+            if not last:
+                if item.mb in seen:
+                    self.stats.stale += 1
+                    continue
+                seen.add(item.mb)
+                out = self._forward(item.mb, item.tensor)
+                if out is not None:
+                    came_from[item.mb] = item.sender
+                    self.post(("next", cur, item.mb), "act", self.stage + 1, cur, item.mb, out)
+                continue
+            waiting[(item.kind, item.step, item.mb)] = item
+            if len(waiting) > 4 * self.M:  # bounded: the oldest go
+                for key in sorted(waiting, key=lambda k: (k[1], k[2]))[:len(waiting) - 4 * self.M]:
+                    del waiting[key]
+            for mb in range(self.M):
+                if not is_open:
+                    break
+                act, tgt = waiting.get(("act", cur, mb)), waiting.get(("tgt", cur, mb))
+                if act is None or tgt is None or mb in seen:
+                    continue
+                del waiting[("act", cur, mb)], waiting[("tgt", cur, mb)]
+                seen.add(mb)
+                try:
+                    loss = r.forward_loss(mb, self._dev(act.tensor), self._dev(tgt.tensor))
+                    g = r.backward_loss(mb, 1.0 / self.M)
+                except Exception as e:  # PipelineFull, a shape the model refuses
+                    r.drop(mb)
+                    self._lost(f"micro-batch {mb}: {e}")
+                    continue
+                losses.append(loss)
+                backward_done(mb, g, act.sender)
+
+    def _backward(self, item: Message) -> Any:
+        """The input's gradient (None on the first stage), or False: a gradient that does
+        not fit the saved activations (a shape the wire allows but this micro-batch is
+        not) costs that micro-batch, logged, never the worker."""
+        try:
+            return self.runner.backward(item.mb, self._dev(item.tensor))
+        except (RuntimeError, ValueError, KeyError) as e:
+            self.runner.drop(item.mb)
+            self._lost(f"gradient of micro-batch {item.mb} from {item.sender} refused: {e}")
+            log.warning("pipeline: refused the gradient of step %d micro-batch %d from %s: "
+                        "%s", item.step, item.mb, item.sender, e,
+                        extra={"peer": item.sender, "reason": "pipe gradient"})
+            return False
+
+    def _forward(self, mb: int, x: Any) -> Any:
+        try:
+            return self.runner.forward(mb, self._dev(x))
+        except Exception as e:  # PipelineFull, a shape the model refuses: that mb is lost
+            self._lost(f"micro-batch {mb}: {e}")
+            return None
+
+    def _await_tied(self, step: int, waiting: dict) -> None:
+        """Last stage, before step `step`'s first micro-batch: the tied matrix the first
+        stage sent after step - 1, within the deadline; else run on the one we have."""
+        if self.tied_version >= step or step == 0:
+            return
+        deadline = time.monotonic() + min(self.wait_s(), 10.0)
+        while time.monotonic() < deadline and not self.stop.is_set():
+            item = self.inbox.get(min(deadline - time.monotonic(), POLL_S))
+            if item is None:
+                continue
+            if isinstance(item, Message) and item.kind == "tied":
+                if item.step >= self.tied_version:
+                    self.runner.stage.set_tied(self._dev(item.tensor))
+                    self.tied_version = item.step
+                if self.tied_version >= step:
+                    return
+            elif isinstance(item, Message) and item.step >= step:
+                waiting[(item.kind, item.step, item.mb)] = item
+            else:
+                self.stats.stale += 1
+        self.stats.stale_tied += 1

@@ -1,0 +1,91 @@
+"""Stage placement and replica routing of live pipeline runs (node/pipe/placement.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.pipe import placement as pl
+from node.pipeline import schedule
+
+
+def test_a_joiner_takes_the_stage_with_the_fewest_live_hosts_lowest_on_ties():
+    assert pl.choose({}, 4) == 0
+    assert pl.choose({"a": 0}, 4) == 1
+    assert pl.choose({"a": 0, "b": 1, "c": 3}, 4) == 2
+    assert pl.choose({"a": 0, "b": 1, "c": 2, "d": 3}, 4) == 0
+    assert pl.choose({"a": 0, "b": 0, "c": 1, "d": 2, "e": 3}, 4) == 1
+
+
+def test_the_stage_map_lists_hosts_by_peer_id_and_ignores_bad_claims():
+    smap = pl.stage_map({"c": 1, "a": 1, "b": 0, "x": 9, "y": -1, "z": "1"}, 3)  # type: ignore[dict-item]
+    assert smap == [["b"], ["a", "c"], []]
+    assert not pl.complete(smap)
+
+
+@pytest.mark.parametrize(("nodes", "stages"), [(4, 4), (8, 4), (6, 3), (5, 4), (3, 2)])
+def test_nodes_that_chose_together_move_apart_one_at_a_time(nodes, stages):
+    """Everyone saw an empty map and took stage 0; rebalance (each node's own decision
+    from the same view) ends in a balanced map, one move per round."""
+    hosts = {f"peer{i:02d}": 0 for i in range(nodes)}
+    for _ in range(4 * nodes):
+        moves = {me: s for me in hosts
+                 if (s := pl.rebalance(me, hosts, stages, training=False)) is not None}
+        assert len(moves) <= 1  # the same view: exactly one mover
+        if not moves:
+            break
+        hosts.update(moves)
+    smap = pl.stage_map(hosts, stages)
+    assert pl.balanced(smap) and (pl.complete(smap) or nodes < stages)
+
+
+def test_once_training_a_node_moves_only_to_a_stage_left_without_host():
+    hosts = {"a": 0, "b": 0, "c": 0, "d": 1, "e": 2, "f": 3}
+    assert pl.rebalance("c", hosts, 4, training=True) is None  # 3 vs 1: not worth a move
+    assert pl.rebalance("c", hosts, 4, training=False) == 1
+    del hosts["e"]  # stage 2 lost every host
+    assert pl.rebalance("c", hosts, 4, training=True) == 2
+    assert pl.rebalance("a", hosts, 4, training=True) is None  # only the highest id moves
+
+
+def test_routing_without_torch_is_the_schedule_s_routing():
+    for step in range(5):
+        for k in range(4):
+            for s in range(3):
+                assert pl.route(7, step, k, s, 3) == schedule.route(7, step, k, s, 3)
+                for r in range(3):
+                    assert pl.next_replica(7, step, k, s, r, [3, 3, 3, 3], "random") == \
+                        schedule.route(7, step, k, s, 3)[r]
+            for r in range(3):
+                assert pl.last_replica(7, step, k, r, [3, 3, 3, 3], "random") == \
+                    schedule.path(7, step, k, 4, 3, r)[-1]
+                assert pl.last_replica(7, step, k, r, [3, 3, 3, 3], "fixed") == r
+
+
+def test_unequal_replica_counts_route_by_index():
+    assert pl.next_replica(0, 0, 0, 0, 2, [3, 2], "random") == 0
+    assert pl.next_replica(0, 0, 0, 0, 1, [3, 2], "random") == 1
+
+
+def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it():
+    """It took stage 0 while the dead stage 2 host still looked live; once that host is
+    gone, the replacement (not yet training) moves, never the trained stage-0 host."""
+    hosts = {"zz-trained": 0, "aa-new": 0, "b": 1, "d": 3}
+    settled = {"zz-trained", "b", "d"}
+    assert pl.rebalance("aa-new", hosts, 4, training=False, settled=settled) == 2
+    assert pl.rebalance("zz-trained", hosts, 4, training=True, settled=settled) is None
+    # with no unsettled node, the highest id of the fullest stage takes it over
+    assert pl.rebalance("zz-trained", {"zz-trained": 0, "aa": 0, "b": 1, "d": 3}, 4,
+                        training=True, settled={"zz-trained", "aa", "b", "d"}) == 2
+
+
+def test_of_two_trained_hosts_the_much_younger_one_takes_the_lost_stage_over():
+    hosts = {"zz-old": 0, "aa-young": 0, "b": 1, "d": 3}
+    settled = set(hosts)
+    uptime = {"zz-old": 900.0, "aa-young": 40.0, "b": 900.0, "d": 900.0}
+    assert pl.rebalance("aa-young", hosts, 4, training=True, settled=settled,
+                        uptime=uptime) == 2
+    assert pl.rebalance("zz-old", hosts, 4, training=True, settled=settled,
+                        uptime=uptime) is None
+    close = {**uptime, "aa-young": 890.0}  # too close to tell apart across views: by id
+    assert pl.rebalance("zz-old", hosts, 4, training=True, settled=settled,
+                        uptime=close) == 2
