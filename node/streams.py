@@ -86,3 +86,13 @@ async def write_chunks(stream: Any, chunks: Iterable[bytes | memoryview],
             if scope.cancelled_caught:
                 raise trio.TooSlowError("a 1 MiB write took longer than "
                                         f"{slice_timeout:g} s; the peer is not reading")
+
+
+async def close_quietly(stream: Any) -> None:
+    """Close a stream whose exchange is over (or failed), within 2 s and without raising:
+    the peer may be gone already, and the caller has its answer or its error."""
+    try:
+        with trio.move_on_after(2):
+            await stream.close()
+    except Exception:
+        pass

@@ -29,7 +29,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.lane import LaneListener, connect_lane, listen_host
-from node.streams import pump, write_chunks
+from node.streams import close_quietly, pump, write_chunks
 from node.training.rounds import Outcome
 from p2p.host import Substrate
 from p2p.timing import Timings
@@ -277,9 +277,9 @@ class Averager:
             try:
                 return await self._swap(lane, ex, snapshot, partner, "lane")
             finally:
-                await _close(lane)
+                await close_quietly(lane)
         finally:
-            await _close(stream)
+            await close_quietly(stream)
 
     # -- the responder's side ---------------------------------------------------------
 
@@ -288,7 +288,7 @@ class Averager:
         try:
             await self._respond(stream, peer)
         finally:
-            await _close(stream)
+            await close_quietly(stream)
 
     async def _respond(self, stream: INetStream, peer: str) -> None:
         ex = av.Exchange("responder", self.run_id, None, None, self.codecs)
@@ -340,7 +340,7 @@ class Averager:
                 try:
                     slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane")
                 finally:
-                    await _close(lane)
+                    await close_quietly(lane)
             finally:
                 await listener.aclose()
         finally:
@@ -378,10 +378,3 @@ def _path(stream: Any) -> str:
     ("webrtc": a data channel)."""
     return getattr(stream, "path", "stream")
 
-
-async def _close(stream: Any) -> None:
-    try:
-        with trio.move_on_after(2):
-            await stream.close()
-    except Exception:
-        pass

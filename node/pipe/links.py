@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from node.streams import StreamEnded, pump, write_chunks
+from node.streams import StreamEnded, close_quietly, pump, write_chunks
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 
@@ -203,7 +203,7 @@ class Outbox:
                          msg.kind, msg.step, msg.mb)
                 self.on_lost(msg, f"send to {peer} failed: {e!r}")
                 if stream is not None:
-                    await _close(stream)
+                    await close_quietly(stream)
                     stream = None
                 while True:  # what waited behind it would only time out too
                     try:
@@ -216,10 +216,3 @@ class Outbox:
                            for p, c in self._queues.items()},
                 "failures": dict(self.failures)}
 
-
-async def _close(stream: Any) -> None:
-    try:
-        with trio.move_on_after(2):
-            await stream.close()
-    except Exception:
-        pass

@@ -31,7 +31,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.service import NodeContext
-from node.streams import next_event
+from node.streams import close_quietly, next_event
 from node.webrtc import PATH_WEBRTC, SessionError
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.channel import DataChannelStream
@@ -237,7 +237,7 @@ class WebRtcService:
                     self.offers_made += 1
                     env = await next_event(stream, sig.LIMITS.decoder())
                 finally:
-                    await _close(stream)
+                    await close_quietly(stream)
             if not isinstance(env, Envelope):
                 raise RemoteProtocolError("expected an answer envelope")
             await session.accept(sig.parse_answer(env, req_id))
@@ -335,7 +335,7 @@ class WebRtcService:
             log.warning("webrtc: refused an offer from %s: %s", peer, e)
             raise
         finally:
-            await _close(stream)
+            await close_quietly(stream)
 
     async def _refuse(self, stream: INetStream, env: Envelope, code: str, why: str,
                       quiet: bool = False) -> None:
@@ -391,10 +391,3 @@ def _reason(e: BaseException) -> str:
         return f"no answer within {sig.DEADLINE_S:g} s"
     return str(e) or type(e).__name__
 
-
-async def _close(stream: Any) -> None:
-    try:
-        with trio.move_on_after(2):
-            await stream.close()
-    except Exception:
-        pass
