@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -356,11 +357,38 @@ def _delete(namespace: str) -> None:
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
                               text=True, timeout=10).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        _kill_and_reap([int(pid) for pid in pids if pid.isdigit()])
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+
+
+def _kill_and_reap(pids: list[int], timeout: float = 5.0) -> None:
+    """SIGKILL each process and wait (at most `timeout`) until it has exited: a kill is
+    delivered asynchronously, and a caller that checks right after `down` must find the
+    processes gone (a fresh-clone CI run once saw a killed miniupnpd still running). pidfds
+    name the process itself, so a reused pid is never signalled."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                os.close(fd)
+                continue
+            fds.append(fd)
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)  # readable once the process has exited
+        waiting, deadline = set(fds), time.monotonic() + timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                waiting.discard(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def existing(tag: str) -> list[str]:
