@@ -93,6 +93,22 @@ def partition(quick: Quick = False) -> None:
 
 
 @app.command()
+def reach(quick: Quick = False,
+          attempts: Annotated[int | None, typer.Option(
+              help="Attempts per pair of NAT kinds (default 10; 3 with --quick).")] = None,
+          ) -> None:
+    """The reachability matrix: path, time to it and success rate for every pair of NAT
+    kinds (root: NATs in network namespaces)."""
+    from cli.common import fail
+    from testnet.bench import reach as bench
+
+    try:
+        bench.main(quick=quick, attempts=attempts)
+    except bench.BenchUnavailable as e:
+        raise fail(str(e), 2) from None
+
+
+@app.command()
 def churn(quick: Quick = False) -> None:
     """Training through churn: 8 nodes, random SIGKILLs and restarts for 10 min (PNG)."""
     from testnet.bench import churn as bench

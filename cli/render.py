@@ -34,6 +34,9 @@ def node_status_table(st: dict[str, Any]) -> Group:
     relay = st.get("relay") or {}
     if relay.get("reservations") or relay.get("serving") or relay.get("error"):
         head.add_row("relays", relay_line(relay))
+    punch = st.get("punch") or {}
+    if punch.get("attempts") or punch.get("answered") or punch.get("error"):
+        head.add_row("hole punching", punch_line(punch))
     pipe = st.get("pipeline")
     t = st.get("training") or (pipe or {}).get("training")
     if pipe:
@@ -50,16 +53,18 @@ def node_status_table(st: dict[str, Any]) -> Group:
         head.add_row("error", Text(t["error"], "red"))
     live = _peers(st)
     peers = Table(title=f"{len(live)} live peers", title_justify="left")
+    kinds = (st.get("peer_paths") or {}).get("peers")
+    paths = ({peer: k["path"] for peer, k in kinds.items()} if kinds is not None
+             else relay.get("paths") or {})
     # a WebRTC data channel (node/webrtc/) replaces a relayed path for our streams
-    paths = {**(relay.get("paths") or {}), **((st.get("webrtc") or {}).get("paths") or {})}
-    for col in ("peer", "last seen", "device", "path", "addrs"):
-        peers.add_column(col)
+    paths = {**paths, **((st.get("webrtc") or {}).get("paths") or {})}
+    for col in ("peer", "last seen", "device", "path", "rtt", "addrs"):
+        peers.add_column(col, justify="right" if col == "rtt" else "left")
     for p in live:
-        path = paths.get(p["peer_id"], "not connected")
-        if path.startswith("relayed via "):
-            path = f"relayed via {short(path[len('relayed via '):])}"
+        path = path_text(paths.get(p["peer_id"], "not connected"))
+        rtt = ((kinds or {}).get(p["peer_id"]) or {}).get("rtt_ms")
         peers.add_row(p["peer_id"], f"{p['last_seen_s']:.1f} s ago", str(p.get("device", "")),
-                      path, (p.get("addrs") or ["-"])[0])
+                      path, _num(rtt, "{:.0f} ms"), (p.get("addrs") or ["-"])[0])
     parts = [head, Text(""), peers]
     bans = (st.get("guard") or {}).get("bans") or {}
     if bans:
@@ -103,6 +108,31 @@ def reach_line(reach: dict[str, Any]) -> Text:
         line.append("; upnp: ")
         line.append(upnp["error"], "red")
     return line
+
+
+def path_text(path: str) -> str:
+    """A path kind for a table: `relayed via …abc123` (the relay's id shortened)."""
+    if path.startswith("relayed via "):
+        return f"relayed via {short(path[len('relayed via '):])}"
+    return path
+
+
+def punch_line(punch: dict[str, Any]) -> Text:
+    """`2 punched of 3 tries; answered 1 (1 punched); 0 bad sessions`, and the last error."""
+    line = Text(f"{punch.get('punched', 0)} punched of {punch.get('attempts', 0)} tries; "
+                f"answered {punch.get('answered', 0)} ({punch.get('answered_punched', 0)} "
+                f"punched); {punch.get('protocol_errors', 0)} bad sessions")
+    if punch.get("error"):
+        line.append(f"; last: {punch['error']}", "yellow")
+    return line
+
+
+def paths_cell(paths: dict[str, Any] | None) -> str:
+    """Peers per path kind for the testnet table: `2d 1p 1r` (direct, punched, relayed;
+    u: upnp, w: webrtc)."""
+    by_kind = (paths or {}).get("by_kind") or {}
+    parts = [f"{n}{kind[0]}" for kind, n in by_kind.items() if n]
+    return " ".join(parts) or "-"
 
 
 def relay_line(relay: dict[str, Any]) -> Text:
@@ -162,10 +192,11 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
     sybils = {pid for pid, name in names.items() if name.startswith("sybil")}
     columns = (["node", "id", "phase", "peers", "step", "loss", "acc", "flip", "backdoor",
                 "sybil weight"] if robust else
-               ["node", "id", "phase", "peers", "step", "loss", "val", "partner",
+               ["node", "id", "phase", "peers", "paths", "step", "loss", "val", "partner",
                 "MB out/in", "compute"])
     if compact:
         columns.remove("id")
+        columns.remove("paths")  # 80 columns: `node status` shows each path
     if any((r.get("status") or {}).get("pipeline") for r in rows):
         columns.insert(columns.index("phase") + 1, "stage")
     if churn:
@@ -196,6 +227,7 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
             "id": short(st["peer_id"]),
             "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
             "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),
+            "paths": paths_cell(st.get("peer_paths")),
             "step": _num(t.get("step"), "{:d}"),
             "loss": _num(t.get("loss"), "{:.3f}"),
             "val": _num(t.get("val_loss"), "{:.3f}"),

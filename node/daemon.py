@@ -46,6 +46,8 @@ from node.membership.redial import Redialer
 from node.membership.view import Membership
 from node.memory import tune_malloc
 from node.metrics.service import MetricsService
+from node.reach.paths import PathService
+from node.reach.punch import HolePunchService
 from node.reach.relays import RelayService
 from node.reach.service import ReachabilityService
 from node.run.manifest import ManifestService
@@ -107,9 +109,12 @@ class Node:
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
         reach = ReachabilityService(upnp=config.upnp)
+        punch = HolePunchService(reach.verdict)
         # WebRTC data channels to peers reached only through a relay (node/webrtc/);
         # averaging opens its streams through it (below).
         self.webrtc = WebRtcService(reach.verdict)
+        # Path kinds other services label (the punch's; a WebRTC transport adds its own).
+        self.paths = PathService([punch.label], upnp_mapped=reach.mapped)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps,
@@ -121,7 +126,9 @@ class Node:
             self.redialer,
             reach,
             RelayService(reach.verdict),
+            punch,
             self.webrtc,
+            self.paths,
             *([self.mdns] if self.mdns else []),
         ]
 

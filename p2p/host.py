@@ -228,9 +228,11 @@ class Substrate:
         return [str(a) for a in self.host.get_addrs()]
 
     def _advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        """--announce addresses, our listen addresses, then those announced at run time."""
+        """--announce addresses, those announced at run time (a UPnP mapping, the public
+        side of a full-cone NAT), then our listen addresses: a dialer tries them in order,
+        and behind a NAT the listen address is a LAN one that a silent NAT lets time out."""
         out: list[multiaddr.Multiaddr] = []
-        for a in [*self._configured, *candidates, *self._announced]:
+        for a in [*self._configured, *self._announced, *candidates]:
             if all(str(a) != str(b) for b in out):
                 out.append(a)
         return out
@@ -372,9 +374,21 @@ class Substrate:
         if (ban := self.gate.banned(info.peer_id.to_base58())) is not None:
             raise DialError(addr, f"peer is banned ({ban.reason})")
         assert self.host is not None
+        network = self.host.get_network()
         try:
             with trio.fail_after(timeout):
-                await self.host.connect(info)
+                if network.get_connections(info.peer_id) or not info.addrs:
+                    await self.host.connect(info)  # reuses it (waits until it is ready)
+                else:
+                    # This address, not py-libp2p's pick: its dial_peer dials only the
+                    # first TCP address in the peerstore, so a peer whose first address is
+                    # a LAN one (behind a full-cone or UPnP NAT) was never dialed at the
+                    # public address it also advertises.
+                    self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 120)
+                    conn = await network.dial_addr(info.addrs[0], info.peer_id)  # type: ignore[attr-defined]
+                    started = getattr(conn, "event_started", None)
+                    if started is not None:
+                        await started.wait()
         except trio.TooSlowError:
             raise DialError(addr, f"no answer within {timeout:g} s") from None
         except Exception as e:
@@ -430,6 +444,11 @@ class Substrate:
             raise DialError(addr, str(e)) from None
         except Exception as e:
             raise DialError(addr, _dial_reason(e)) from e
+        # Remember where it answered: the hole-punch service tells a private peer (one
+        # with relayed addresses) by them, before identify has told us.
+        with contextlib.suppress(Exception):
+            self.host.get_peerstore().add_addrs(
+                peer, [multiaddr.Multiaddr(addr.rsplit("/p2p/", 1)[0])], 600)
         return peer
 
     async def open_stream(self, peer: ID, protocol: str) -> INetStream:

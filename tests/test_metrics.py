@@ -134,6 +134,25 @@ def _status() -> dict:
     }
 
 
+def test_peers_by_path_kind_and_rtt_come_from_the_path_service():
+    st = {**_status(), "peer_paths": {
+        "peers": {"A": {"path": "punched", "rtt_ms": 50.0},
+                  "B": {"path": "relayed via R", "rtt_ms": 120.0},
+                  "C": {"path": "direct", "rtt_ms": None}},
+        "by_kind": {"punched": 1, "upnp": 0, "webrtc": 0, "direct": 1, "relayed": 1}}}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(lambda: st, lambda: {
+        "peers_by_path": {"direct": 2, "relayed": 1}}))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in f.samples}
+    assert samples[("peertrain_peers", (("path", "punched"),))] == 1
+    assert samples[("peertrain_peers", (("path", "direct"),))] == 1  # not the substrate's 2
+    assert samples[("peertrain_peer_rtt_seconds", (("path", "relayed"), ("peer", "B")))] == 0.12
+    assert not any(k[0] == "peertrain_peer_rtt_seconds" and ("peer", "C") in k[1]
+                   for k in samples)
+
+
 def test_collector_families_parse_with_prometheus_parser():
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(_status, lambda: {
@@ -265,6 +284,7 @@ def test_dashboard_and_docs_name_only_metrics_the_node_exports():
     st = _status()
     st["checkpoints"]["download"] = {"done": 1, "total": 2}
     st["checkpoint_server"] = {"served": 1, "not_held": 0}
+    st["peer_paths"] = {"peers": {"A": {"path": "punched", "rtt_ms": 5.0}}}
     registry.register(StatusCollector(lambda: {**st, "role": "x"}))
     exported = set()
     for family in text_string_to_metric_families(generate_latest(registry).decode()):

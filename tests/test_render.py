@@ -94,3 +94,29 @@ def test_node_status_shows_each_peers_path_and_the_relays():
     assert f"reserved on …{IDS[3][-6:]}, …{IDS[4][-6:]}" in text
     rows = {i: next(line for line in text.splitlines() if i in line) for i in IDS[1:3]}
     assert "direct" in rows[IDS[1]] and f"relayed via …{IDS[3][-6:]}" in rows[IDS[2]]
+
+
+def test_node_status_shows_path_kinds_rtt_and_hole_punching():
+    peers = [{"peer_id": IDS[i], "last_seen_s": 1.0, "addrs": []} for i in (1, 2, 3)]
+    st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
+          "p2p": {}, "membership": {"peers": peers},
+          "relay": {"paths": {IDS[1]: "direct"}},  # the path service's kinds win over these
+          "peer_paths": {"peers": {IDS[1]: {"path": "punched", "rtt_ms": 51.4},
+                                   IDS[2]: {"path": "upnp", "rtt_ms": None},
+                                   IDS[3]: {"path": f"relayed via {IDS[4]}", "rtt_ms": 120}},
+                         "by_kind": {"punched": 1, "upnp": 1, "webrtc": 0, "direct": 0,
+                                     "relayed": 1}},
+          "punch": {"attempts": 3, "punched": 1, "failed": 2, "answered": 1,
+                    "answered_punched": 1, "protocol_errors": 0,
+                    "error": f"{IDS[3]}: no dial to /ip4/198.18.4.2/tcp/4001 got through"}}
+    console = Console(width=250, record=True)
+    console.print(r.node_status_table(st))
+    text = console.export_text()
+    rows = {i: next(line for line in text.splitlines() if i in line and "last" not in line)
+            for i in IDS[1:4]}
+    assert "punched" in rows[IDS[1]] and "51 ms" in rows[IDS[1]]
+    assert "upnp" in rows[IDS[2]]
+    assert f"relayed via …{IDS[4][-6:]}" in rows[IDS[3]] and "120 ms" in rows[IDS[3]]
+    assert "1 punched of 3 tries; answered 1 (1 punched); 0 bad sessions" in text
+    assert r.paths_cell(st["peer_paths"]) == "1p 1u 1r"
+    assert r.paths_cell(None) == "-"

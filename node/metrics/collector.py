@@ -44,7 +44,12 @@ class StatusCollector(Collector):
         yield from averaging_families(st.get("averaging") or {})
         yield from dht_families((st.get("p2p") or {}).get("dht_operations") or {})
         yield from guard_families(st)
-        yield from extra_families(self.extra())
+        yield from path_families(st.get("peer_paths") or {})
+        x = self.extra()
+        by_kind = (st.get("peer_paths") or {}).get("by_kind")
+        if by_kind:  # the path service's kinds (punched, upnp, ...) over the substrate's two
+            x = {**x, "peers_by_path": by_kind}
+        yield from extra_families(x)
 
 
 def _gauge(name: str, doc: str, value: float | None, **labels: str) -> Iterator[Metric]:
@@ -221,10 +226,24 @@ def guard_families(st: dict[str, Any]) -> Iterator[Metric]:
                         "reset, the host lives on).", (st.get("p2p") or {}).get("handler_errors"))
 
 
+def path_families(paths: dict[str, Any]) -> Iterator[Metric]:
+    peers = paths.get("peers") or {}
+    if not peers:
+        return
+    m = GaugeMetricFamily(P + "peer_rtt_seconds", "Smoothed libp2p ping round trip "
+                          "to each connected peer, with its path.", labels=["peer", "path"])
+    for peer, p in sorted(peers.items()):
+        if p.get("rtt_ms") is not None:
+            path = "relayed" if str(p.get("path", "")).startswith("relayed") else p.get("path")
+            m.add_metric([peer, str(path)], float(p["rtt_ms"]) / 1000)
+    yield m
+
+
 def extra_families(x: dict[str, Any]) -> Iterator[Metric]:
     if "peers_by_path" in x:
-        yield from _labelled(GaugeMetricFamily, "peers", "Connected peers by path (direct; "
-                             "relayed through a circuit relay).", "path", x["peers_by_path"])
+        yield from _labelled(GaugeMetricFamily, "peers", "Connected peers by path (direct, "
+                             "upnp, punched, webrtc; relayed through a circuit relay).",
+                             "path", x["peers_by_path"])
     yield from _gauge("checkpoint_held_bytes", "Bytes of this run's checkpoints on disk.",
                       x.get("checkpoint_bytes"))
     yield from _gauge("checkpoints_held", "This run's checkpoints on disk.",

@@ -188,10 +188,21 @@ class BoundedRelay(CircuitV2Protocol):
         return {p.to_base58(): r.expires_at
                 for p, r in self.resource_manager._reservations.items()}
 
+    def _release_disconnected(self) -> None:
+        """A slot whose peer is no longer connected is freed (as go-libp2p does): nobody
+        can be relayed to it, and peers that restarted with a new identity (or left)
+        would otherwise hold every slot until their reservations expired (an hour)."""
+        network = self.host.get_network()
+        for peer in list(self.resource_manager._reservations):
+            if not network.get_connections(peer):
+                del self.resource_manager._reservations[peer]
+                log.info("relay: released the slot of %s: it disconnected", peer.to_base58())
+
     async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
         peer = stream.muxed_conn.peer_id
         msg.ClearField("peer")  # a slot is for the peer on this connection, never another
         rm = self.resource_manager
+        self._release_disconnected()
         if not rm.has_reservation(peer) and not rm.can_accept_reservation(peer):
             n = len(self.reservations())
             self._refuse("reservation", peer, f"{n} of {self.bounds.reservations} "

@@ -17,7 +17,9 @@ A `private` node (a symmetric or home NAT, no UPnP) keeps `want` reservations:
   chosen) when the relay disconnects, refuses a renewal or expires.
 
 A private node also dials directly every peer that reached it through a relay (a public
-node that found only our relayed address): outbound dials work through our NAT.
+node that found only our relayed address): outbound dials work through our NAT. A peer
+that advertises relayed addresses itself is private too: its own addresses are LAN ones,
+and the hole-punch service (node/reach/punch.py) upgrades that path instead.
 
 A node that turns public (a UPnP mapping) withdraws its relayed addresses.
 """
@@ -138,11 +140,22 @@ class RelayService:
                 continue
             if not sub.direct_addrs(ID.from_base58(peer)):
                 continue  # identify has not told us yet; next pass
+            if self._private(sub, peer):
+                continue  # its addresses are LAN ones: the punch service's case
             self._direct_at[peer] = now + self.retry_s
             addr = await sub.connect_direct(ID.from_base58(peer))
             if addr is not None:
                 self.upgraded += 1
                 log.info("relay: %s reached us through a relay; now direct at %s", peer, addr)
+
+    @staticmethod
+    def _private(sub: Substrate, peer: str) -> bool:
+        """A peer that advertises `/p2p-circuit` addresses holds reservations: private."""
+        try:
+            addrs = sub.host.get_peerstore().addrs(ID.from_base58(peer))  # type: ignore[union-attr]
+        except Exception:
+            return False
+        return any("/p2p-circuit" in str(a) for a in addrs)
 
     def _candidates(self, sub: Substrate, connected: set[str]) -> list[str]:
         """Peers that might relay for us: directly connected (a relay refuses requests

@@ -61,6 +61,9 @@ class ReachabilityService:
         self._upnp_failed_at: float | None = None
         self.changed = trio.Event()  # set after each check (tests wait on it)
         self.dht_mode = "server"
+        # An address a peer reached us at that we did not advertise (a full-cone NAT's
+        # public side with our listen port): advertised while we are public through it.
+        self.public_addr: str | None = None
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -88,6 +91,10 @@ class ReachabilityService:
     def verdict(self) -> str:
         """`public`, `private` or `unknown` (the relay service asks)."""
         return self.state
+
+    def mapped(self) -> bool:
+        """Whether we hold a UPnP mapping now (the path service asks)."""
+        return self.mapping is not None
 
     async def _wait(self, sub: Substrate) -> None:
         """Until the next check: the interval, or sooner if our candidates changed."""
@@ -130,6 +137,7 @@ class ReachabilityService:
             self.via = None if state != "public" else (
                 "upnp" if mapped and any(r and r.startswith(mapped) for r in reached)
                 else "direct")
+            self._advertise_reached(sub, reached if self.via == "direct" else set())
         self.checks += 1
         self.checked_at = time.time()
         if self.state != before:
@@ -138,6 +146,25 @@ class ReachabilityService:
         self.changed.set()
         self.changed = trio.Event()
         return self.state
+
+    def _advertise_reached(self, sub: Substrate, reached: set[str | None]) -> None:
+        """Advertise the address peers reached us at when it is not one we advertise
+        already (behind a full-cone NAT: the gateway's address with our port), so that
+        dialers find it; withdraw it when we are no longer reached there. Without it a
+        full-cone node was public but advertised only its LAN address."""
+        own = {a.split("/p2p/")[0] for a in sub.addrs() if "/p2p-circuit" not in a}
+        if self.public_addr is not None:
+            own.discard(self.public_addr)
+        new = sorted(r for r in reached if r and r not in own)
+        want = new[0] if new else None
+        if want == self.public_addr:
+            return
+        if self.public_addr is not None:
+            sub.withdraw(self.public_addr)
+        if want is not None:
+            sub.announce(want)
+            log.info("reachability: peers reach us at %s; advertising it", want)
+        self.public_addr = want
 
     def _want_mapping(self) -> bool:
         if not self.upnp_enabled or self.state != "private" or self.mapping is not None:
@@ -200,6 +227,7 @@ class ReachabilityService:
             "checks": self.checks,
             "checked_at": round(self.checked_at, 3) if self.checked_at else None,
             "candidates": self.candidates,
+            "public_addr": self.public_addr,
             "answers": [vars(a) for a in self.answers],
             "upnp": {"state": self.upnp_state, "gateway": self.gateway.url,
                      "mapping": self.mapping.multiaddr if self.mapping else None,
