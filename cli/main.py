@@ -71,6 +71,9 @@ NoMetrics = Annotated[bool | None, typer.Option(
 NoUpnp = Annotated[bool | None, typer.Option(
     "--no-upnp", help="Never ask the LAN's gateway for a port mapping (docs/nat.md).",
     show_default=False)]
+NoPunch = Annotated[bool | None, typer.Option(
+    "--no-punch", help="Never hole-punch a peer reached through a relay; neither drive nor "
+    "answer DCUtR (docs/nat.md).", show_default=False)]
 Config = config_cmd.ConfigOpt
 BOOTSTRAP_PORT = 4101  # `node bootstrap`'s default: a fixed port to forward and hand out
 BOOTSTRAP_LISTEN = f"/ip4/0.0.0.0/tcp/{BOOTSTRAP_PORT}"
@@ -149,6 +152,7 @@ def join(
     metrics: Metrics = None,
     no_metrics: NoMetrics = None,
     no_upnp: NoUpnp = None,
+    no_punch: NoPunch = None,
     config: Config = None,
 ) -> None:
     """Join a training run: find it through the DHT, verify its manifest, contribute."""
@@ -172,10 +176,11 @@ def join(
         "mdns": mdns, "device": device, "join_timeout": join_timeout, "no_train": no_train,
         "data": data, "attack": attack, "neighbour": neighbour, "log_level": log_level,
         "metrics": metrics, "no_metrics": no_metrics, "no_upnp": no_upnp,
+        "no_punch": no_punch,
     }, {"bootstrap": [], "state_dir": None, "listen": None, "announce": [], "mdns": True,
         "device": "auto", "join_timeout": 30.0, "no_train": False, "data": [], "attack": None,
         "neighbour": [], "log_level": "info", "metrics": None, "no_metrics": False,
-        "no_upnp": False})
+        "no_upnp": False, "no_punch": False})
     if ticket_addrs:
         v["bootstrap_from"] = "--bootstrap and the ticket" if bootstrap else "the ticket"
         v["bootstrap"] = [*(bootstrap or []), *ticket_addrs]
@@ -202,7 +207,8 @@ def join(
         state_dir=state_dir, run_id=run_id, bootstrap=boot, bootstrap_from=v["bootstrap_from"],
         listen=listen, announce=announce_addrs(v["announce"]), mdns=v["mdns"], device=device,
         join_timeout_s=join_timeout, train=not v["no_train"], data=files, attack=attack,
-        neighbours=list(v["neighbour"]), upnp=not v["no_upnp"], **metrics_at)
+        neighbours=list(v["neighbour"]), upnp=not v["no_upnp"], punch=not v["no_punch"],
+        **metrics_at)
     run_async(lambda: run_node(node_config))
 
 

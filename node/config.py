@@ -55,6 +55,9 @@ class NodeConfig:
     # per IP), and how misbehaviour is scored and banned: docs/robustness.md lists both.
     # An unreachable node asks its LAN's UPnP gateway for a port mapping (node/reach/).
     upnp: bool = True
+    # A peer reached only through a relay is upgraded to a direct connection by a DCUtR
+    # hole punch (node/reach/punch.py): driven, and answered. Off: the relay (or WebRTC).
+    punch: bool = True
     budget: BudgetLimits = field(default_factory=BudgetLimits)
     scoring: ScoreSettings = field(default_factory=ScoreSettings)
     # The metrics port (Prometheus /metrics, the status page): (host, port), or None for

@@ -85,6 +85,7 @@ class CommonKeys(_Table):
 
 
 class JoinKeys(CommonKeys):
+    no_punch: bool | None = Field(None, alias="no-punch")
     device: Annotated[str, Field(min_length=1, max_length=32)] | None = None
     join_timeout: Seconds | None = Field(None, alias="join-timeout")
     no_train: bool | None = Field(None, alias="no-train")
@@ -272,6 +273,8 @@ TEMPLATE = """\
 
 [join]
 # device = "auto"
+# Never hole-punch a relayed peer (docs/nat.md); the relay, or WebRTC, carries it:
+# no-punch = false
 # join-timeout = 30.0
 # no-train = false
 # data = ["/path/to/my/texts"]

@@ -126,7 +126,7 @@ class Node:
             self.redialer,
             reach,
             RelayService(reach.verdict),
-            punch,
+            *([punch] if config.punch else []),
             self.webrtc,
             self.paths,
             *([self.mdns] if self.mdns else []),
@@ -276,7 +276,8 @@ class Node:
                 stats=run.progress, neighbours=neighbours(m),
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
-                open_stream=self.webrtc.open_stream)
+                open_stream=self.webrtc.open_stream,
+                path_of=lambda peer: self.paths.paths().get(peer, "direct"))
             self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
         services.append(TrainingService(

@@ -65,3 +65,38 @@ async def test_an_unreachable_lane_costs_one_round_then_the_stream_carries_on(mo
             assert torch.equal(o.partner_thetas[0], vectors[1 - i])
         assert initiator.lane_failed == {}  # offered again, and this time it connected
         nursery.cancel_scope.cancel()
+
+
+async def test_a_lane_dial_cut_by_the_round_deadline_counts_as_failed(monkeypatch):
+    # Behind a NAT that drops unsolicited SYNs the lane dial hangs until the round's own
+    # deadline cancels it; the mark must survive that cancel, or every round dials again.
+    async def silent(host: str, port: int, key: bytes, timeout: float):
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(averaging, "connect_lane", silent)
+    subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    ids = [s.peer_id.to_base58() for s in subs]
+    avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
+                     step_time=lambda: 0.01, inner_steps=1)
+            for s, me, other in zip(subs, ids, reversed(ids), strict=True)]
+    initiator = avgs[ids.index(min(ids))]
+    vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
+    async with trio.open_nursery() as nursery:
+        for s in subs:
+            await nursery.start(s.serve)
+        await subs[0].connect(subs[1].addrs()[0])
+        async with trio.open_nursery() as both:
+            for i in range(2):
+                both.start_soon(avgs[i].exchange, 1, vectors[i])
+        assert set(initiator.lane_failed) == {ids[1 - avgs.index(initiator)]}
+        nursery.cancel_scope.cancel()
+
+
+def test_only_a_direct_path_is_offered_a_lane():
+    # A lane is a new TCP dial to the partner's address: through a punched NAT (only the
+    # punched port is open), a relay or a data channel it cannot connect.
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    kinds = {"a": "direct", "b": "punched", "c": "upnp", "d": "relayed via X"}
+    avg = Averager(sub, "run", "me", lambda: list(kinds), codecs=["fp32"],
+                   path_of=lambda peer: kinds[peer])
+    assert [p for p in kinds if avg._lane_for(p)] == ["a"]

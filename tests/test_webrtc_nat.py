@@ -94,6 +94,7 @@ def test_two_home_nat_nodes_average_over_webrtc_and_status_shows_the_path(
     nat_available, testnet_factory
 ):
     net = testnet_factory(3, timeout=180, nat={"node1": "home", "node2": "home"},
+                          extra_node_args=["--no-punch"],
                           neighbours={"node1": ["node2"]})
     boot, n1, n2, n3 = net.procs
     ids = {p.name: answer(p)["peer_id"] for p in net.procs}

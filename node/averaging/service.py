@@ -77,7 +77,8 @@ class Averager:
                  stats: Any = None, lanes: bool = True, neighbours: int | None = None,
                  fixed_neighbours: list[str] | None = None,
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
-                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None) -> None:
+                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
+                 path_of: Callable[[str], str] | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -105,6 +106,11 @@ class Averager:
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
         self.lane_host = listen_host(substrate)
+        # A partner's path kind (node/reach/paths.py: direct, punched, upnp, relayed via X):
+        # a lane is a fresh TCP dial to the partner's address, so only a `direct` path has
+        # one. A punched NAT forwards the punched port alone, and a lane dialled there
+        # waited out every round (the substrate alone calls a punched connection direct).
+        self.path_of = path_of or (lambda peer: substrate.peer_paths().get(peer, "direct"))
         self.after_round = after_round
         # Where the initiator's stream comes from: the substrate, or the webrtc service,
         # which hands out a data channel to a peer reached only through a relay
@@ -157,7 +163,7 @@ class Averager:
         that failed (a firewall, a NAT) usually fails again, but networks change. Never
         over a relayed connection: its remote address is the relay's, so the lane would
         dial the relay's IP (and lose the round) instead of the partner."""
-        if self.substrate.peer_paths().get(partner, "direct") != "direct":
+        if self.path_of(partner) != "direct":
             return False
         failed = self.lane_failed.get(partner)
         if failed is not None and time.monotonic() - failed >= LANE_RETRY_S:
@@ -267,13 +273,16 @@ class Averager:
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
             if event.lane is None:
                 return await self._swap(stream, ex, snapshot, partner, _path(stream))
+            # Failed until it connects: a round deadline that cancels the dial must leave
+            # the mark too, or every round would try the same unreachable lane again.
+            self.lane_failed[partner] = time.monotonic()
             try:
                 host = stream.get_remote_address()[0]
                 lane = await connect_lane(host, event.lane.port, event.lane.key, timeout=2.0)
             except (OSError, trio.TooSlowError, TypeError) as e:
-                self.lane_failed[partner] = time.monotonic()
                 raise RemoteProtocolError(f"bulk lane unreachable ({e!r}); the libp2p "
                                           f"stream for {LANE_RETRY_S:.0f} s") from e
+            del self.lane_failed[partner]
             try:
                 return await self._swap(lane, ex, snapshot, partner, "lane")
             finally:
