@@ -25,7 +25,7 @@ demo: venv
 # (tests/conftest.py groups them).
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The edit loop: everything but the tests that start node processes (marked slow) and the
 # js-libp2p interop test, on 2 workers (a file per worker, tests/conftest.py); about a minute.
