@@ -343,7 +343,7 @@ class Substrate:
             return {}
         paths = {}
         for peer, conns in self.host.get_network().get_connections_map().items():
-            relayed = [_relayed(c) for c in conns]
+            relayed = [is_relayed(c) for c in conns]
             if relayed:
                 paths[peer.to_base58()] = "direct" if not all(relayed) else "relayed"
         return paths
@@ -357,7 +357,7 @@ class Substrate:
         for peer, conns in self.host.get_network().get_connections_map().items():
             if not conns:
                 continue
-            relays = [_relay_of(c) for c in conns]
+            relays = [relay_of(c) for c in conns]
             if any(r is None for r in relays):
                 paths[peer.to_base58()] = "direct"
             else:
@@ -493,10 +493,10 @@ def _dial_reason(e: BaseException) -> str:
     return text
 
 
-def _relay_of(conn: Any) -> str | None:
+def relay_of(conn: Any) -> str | None:
     """The relay's peer id if `conn` goes through a circuit relay ("" if unknown), else
     None."""
-    if not _relayed(conn):
+    if not is_relayed(conn):
         return None
     try:
         for a in conn.get_transport_addresses():
@@ -508,7 +508,8 @@ def _relay_of(conn: Any) -> str | None:
     return ""
 
 
-def _relayed(conn: Any) -> bool:
+def is_relayed(conn: Any) -> bool:
+    """True if `conn` goes through a circuit relay (a connection closing under us: False)."""
     try:
         if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
             return True

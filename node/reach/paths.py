@@ -33,7 +33,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from node.service import NodeContext
-from p2p.host import Substrate
+from p2p.host import Substrate, is_relayed, relay_of
 
 log = logging.getLogger("node.paths")
 
@@ -41,28 +41,6 @@ KINDS = ("punched", "upnp", "webrtc", "direct", "relayed")  # best first
 PING = TProtocol("/ipfs/ping/1.0.0")
 
 Labeller = Callable[[Any], "str | None"]
-
-
-def is_relayed(conn: Any) -> bool:
-    """True if `conn` goes through a circuit relay."""
-    try:
-        if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
-            return True
-        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
-    except Exception:  # a connection closing under us
-        return False
-
-
-def relay_of(conn: Any) -> str:
-    """The relay's peer id of a relayed connection ("?" if its address does not say)."""
-    try:
-        for a in conn.get_transport_addresses():
-            head = str(a).split("/p2p-circuit")[0]
-            if "/p2p/" in head:
-                return head.rsplit("/p2p/", 1)[1]
-    except Exception:
-        pass
-    return "?"
 
 
 def _inbound(conn: Any) -> bool:
@@ -98,7 +76,7 @@ class PathService:
     def kind(self, conn: Any) -> str:
         """One connection's kind: `relayed via X`, a labeller's kind, `upnp` or `direct`."""
         if is_relayed(conn):
-            return f"relayed via {relay_of(conn)}"
+            return f"relayed via {relay_of(conn) or '?'}"
         for label in self.labellers:
             try:
                 k = label(conn)

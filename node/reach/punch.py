@@ -45,9 +45,8 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, read_dcutr_msg
 from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
 from libp2p.relay.circuit_v2.utils import write_delimited_msg
 
-from node.reach.paths import is_relayed
 from node.service import NodeContext
-from p2p.host import Substrate
+from p2p.host import Substrate, is_relayed
 
 log = logging.getLogger("node.punch")
 
