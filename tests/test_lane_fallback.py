@@ -16,6 +16,17 @@ from p2p.host import Substrate
 NUMEL = 50_000
 
 
+def _pair() -> tuple[list[Substrate], list[str], list[Averager], Averager]:
+    """Two hosts on loopback, each averaging with the other; the initiator is the smaller
+    id (it dials and connects the lane)."""
+    subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    ids = [s.peer_id.to_base58() for s in subs]
+    avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
+                     step_time=lambda: 0.01, inner_steps=1)
+            for s, me, other in zip(subs, ids, reversed(ids), strict=True)]
+    return subs, ids, avgs, avgs[ids.index(min(ids))]
+
+
 async def test_an_unreachable_lane_costs_one_round_then_the_stream_carries_on(monkeypatch):
     refused: list[int] = []
 
@@ -26,12 +37,7 @@ async def test_an_unreachable_lane_costs_one_round_then_the_stream_carries_on(mo
         return await connect_lane(host, port, key, timeout=timeout)
 
     monkeypatch.setattr(averaging, "connect_lane", firewalled)
-    subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-    ids = [s.peer_id.to_base58() for s in subs]
-    avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
-                     step_time=lambda: 0.01, inner_steps=1)
-            for s, me, other in zip(subs, ids, reversed(ids), strict=True)]
-    initiator = avgs[ids.index(min(ids))]  # the smaller id dials and connects the lane
+    subs, ids, avgs, initiator = _pair()
     vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
 
     async def both(r: int) -> list:
@@ -74,12 +80,7 @@ async def test_a_lane_dial_cut_by_the_round_deadline_counts_as_failed(monkeypatc
         await trio.sleep_forever()
 
     monkeypatch.setattr(averaging, "connect_lane", silent)
-    subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-    ids = [s.peer_id.to_base58() for s in subs]
-    avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
-                     step_time=lambda: 0.01, inner_steps=1)
-            for s, me, other in zip(subs, ids, reversed(ids), strict=True)]
-    initiator = avgs[ids.index(min(ids))]
+    subs, ids, avgs, initiator = _pair()
     vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
     async with trio.open_nursery() as nursery:
         for s in subs:
