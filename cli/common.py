@@ -122,11 +122,14 @@ def _plain_usage_name(self: Any) -> str:
 # typer 0.29 writes arguments as {RUN_ID} in usage, <str> beside their name and <bool>
 # beside every flag (--help too): small patches of its help rendering
 # (tests/test_cli_help.py pins what a user sees).
-_option_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperArgument._usage_display_name = _plain_usage_name  # type: ignore[method-assign]
-typer.core.TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-assign]
-typer.core.TyperOption.display_type_rich = (  # type: ignore[method-assign]
-    lambda self, ctx: None if self.is_flag else _option_type(self, ctx))
+# Another typer (an older one was seen on a GPU machine's image) may lack these hooks: its
+# help then reads a little differently, and the CLI still starts.
+_option_type = getattr(typer.core.TyperOption, "display_type_rich", None)
+if _option_type is not None and hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _plain_usage_name  # type: ignore[method-assign]
+    typer.core.TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-assign]
+    typer.core.TyperOption.display_type_rich = (  # type: ignore[method-assign]
+        lambda self, ctx: None if self.is_flag else _option_type(self, ctx))
 
 
 class App(typer.Typer):
