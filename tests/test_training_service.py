@@ -134,8 +134,8 @@ def test_a_tied_embedding_is_stored_once_and_stays_tied(tmp_path):
 
 
 async def test_a_node_that_jumps_to_the_swarm_round_still_checkpoints():
-    """Joining the swarm's round moves the step past (or onto) a checkpoint step without
-    computing it; the checkpoint is then written at the next step, not a whole interval
+    """Joining the swarm's round moves the step past a checkpoint step without computing it
+    (0 to 19 here); the checkpoint is then written at the next step, not a whole interval
     later (seen under churn: a restarted node went 169 steps without one)."""
     snapshots: list[int] = []
 
@@ -144,8 +144,25 @@ async def test_a_node_that_jumps_to_the_swarm_round_still_checkpoints():
 
     service = TrainingService(build(), exchange=None, max_steps=25, checkpoint_every=10,
                               on_snapshot=keep)
-    service.swarm_step = 20  # the swarm is two rounds (H = 5) ahead: jump from 0 to 20
+    service.swarm_step = 20  # the swarm is four rounds (H = 5) ahead: jump from 0 to 19
     with trio.fail_after(60):
         await service.run()
     assert service.stats.step == 25
-    assert snapshots == [21]  # 20 was jumped onto, never computed; 30 is past the end
+    assert snapshots == [20]  # 10 was jumped over, never computed; 30 is past the end
+
+
+async def test_a_node_that_jumps_lands_on_the_swarm_boundary_and_exchanges_there():
+    """A node behind the swarm continues one step before the swarm's last round boundary,
+    so its next step reaches that boundary and it meets the partners waiting there: landing
+    on the boundary's step itself skipped that round's exchange."""
+    rounds: list[int] = []
+
+    async def exchange(r: int, snapshot) -> Outcome:
+        rounds.append(r)
+        return Outcome(r, [])
+
+    service = TrainingService(build(), exchange=exchange, max_steps=3 * H + 1)
+    service.swarm_step = 2 * H + 2  # past round 2's boundary (step 10), before round 3's
+    with trio.fail_after(60):
+        await service.run()
+    assert rounds[0] == 2  # the swarm's last boundary, not the one after it

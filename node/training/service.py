@@ -233,7 +233,12 @@ class TrainingService:
                 return
             self._apply_outcomes(trainer, outer, pending)
             if outer is not None and self.swarm_step >= st.step + inner_steps:
-                target = self.swarm_step // inner_steps * inner_steps
+                # Continue one step before the swarm's last boundary, so that the next step
+                # reaches it: partners that got there first wait for us a few seconds
+                # (Averager.deadline). Landing on the boundary itself skipped it, and a slow
+                # node that kept catching up met its partners in no round at all (the
+                # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges).
+                target = self.swarm_step // inner_steps * inner_steps - 1
                 log.info("step %d is behind the swarm (%d): continuing from step %d",
                          st.step, self.swarm_step, target)
                 for r in sorted(pending):
