@@ -32,6 +32,20 @@ def last_stage(net: launcher.Testnet) -> launcher.Proc:
                 and pipeline(p).get("stage") == 3)
 
 
+def pipeline_report(net: launcher.Testnet) -> str:
+    """Each node's stage, phase and recovery, and its log's pipeline lines: what a failed
+    wait needs to say (a loaded CI machine fails where a quiet one does not)."""
+    out = []
+    for p in nodes(net):
+        q = pipeline(p)
+        out.append(f"{p.name}: alive={launcher.alive(p.pid, p.state_dir)} stage={q.get('stage')} "
+                   f"phase={q.get('phase')} recovery={q.get('recovery')}")
+        log = Path(p.state_dir) / "stdout.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        out += ["    " + line for line in [x for x in lines if "pipeline" in x][-10:]]
+    return "\n".join(out)
+
+
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
     directory: Path = tmp_path_factory.mktemp("pipe") / "tn"
@@ -81,7 +95,10 @@ def test_kill_stage_of_an_interior_stage_is_rebuilt_by_a_replacement(net):
             if pipeline(p).get("stage") == 2 and rec.get("rule") == "average":
                 return rec
         return None
-    rec = wait_until(rebuilt, 180, "stage 2 rebuilt by CheckFree")
+    try:
+        rec = wait_until(rebuilt, 180, "stage 2 rebuilt by CheckFree")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{pipeline_report(net)}") from None
     assert len(rec["sources"]) == 2 and rec["at_step"] >= before["step"]
     assert all(0 <= n <= 1.0 + 1e-3 for n in rec["norms"].values())  # after clipping
     # and training goes on through the new stage, the loss still far below the start's
