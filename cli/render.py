@@ -58,13 +58,15 @@ def node_status_table(st: dict[str, Any]) -> Group:
              else relay.get("paths") or {})
     # a WebRTC data channel (node/webrtc/) replaces a relayed path for our streams
     paths = {**paths, **((st.get("webrtc") or {}).get("paths") or {})}
-    for col in ("peer", "last seen", "device", "path", "rtt", "addrs"):
-        peers.add_column(col, justify="right" if col == "rtt" else "left")
+    partners = (st.get("averaging") or {}).get("partners") or {}
+    for col in ("peer", "last seen", "device", "path", "rtt", "exchange", "addrs"):
+        peers.add_column(col, justify="right" if col in ("rtt", "exchange") else "left")
     for p in live:
         path = path_text(paths.get(p["peer_id"], "not connected"))
         rtt = ((kinds or {}).get(p["peer_id"]) or {}).get("rtt_ms")
         peers.add_row(p["peer_id"], f"{p['last_seen_s']:.1f} s ago", str(p.get("device", "")),
-                      path, _num(rtt, "{:.0f} ms"), (p.get("addrs") or ["-"])[0])
+                      path, _num(rtt, "{:.0f} ms"), exchange_cell(partners.get(p["peer_id"])),
+                      (p.get("addrs") or ["-"])[0])
     parts = [head, Text(""), peers]
     bans = (st.get("guard") or {}).get("bans") or {}
     if bans:
@@ -108,6 +110,14 @@ def reach_line(reach: dict[str, Any]) -> Text:
         line.append("; upnp: ")
         line.append(upnp["error"], "red")
     return line
+
+
+def exchange_cell(partner: dict[str, Any] | None) -> str:
+    """The last exchange with a peer: its wire rate and codec (`12.5 MB/s bf16`), `-` if
+    none yet."""
+    if not partner or partner.get("wire_mb_per_s") is None:
+        return "-"
+    return f"{partner['wire_mb_per_s']:.1f} MB/s {partner.get('codec') or ''}".rstrip()
 
 
 def path_text(path: str) -> str:

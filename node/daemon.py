@@ -253,6 +253,7 @@ class Node:
             run = ctx.the_run()
             return [PipelineService(run.manifest, run.run_id, run.progress, config.data,
                                     device=ctx.device)]
+        from node.averaging import adapt
         from node.averaging.history_gossip import HistoryGossip
         from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager
@@ -271,7 +272,8 @@ class Node:
                 services.append(history)
             averager = Averager(
                 ctx.substrate, run.run_id, ctx.peer_id, ctx.membership.live_nodes,
-                codecs=[m.outer.codec, "fp32"], group_size=m.outer.group_size,
+                codecs=adapt.supported(m.outer.codec), auto_codec=m.outer.codec == adapt.AUTO,
+                group_size=m.outer.group_size,
                 step_time=run.progress.step_time, inner_steps=m.outer.inner_steps,
                 stats=run.progress, neighbours=neighbours(m),
                 fixed_neighbours=config.neighbours or None,

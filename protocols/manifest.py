@@ -215,7 +215,8 @@ class OuterSection(_Section):
     momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.5
     nesterov: bool = False
     group_size: Annotated[int, Field(ge=2, le=1024)] = 2
-    codec: Literal["fp32", "bf16", "int8"] = "bf16"
+    # "auto": bf16, or int8 to a partner behind a relay or on a slow link (node/averaging/adapt.py)
+    codec: Literal["fp32", "bf16", "int8", "auto"] = "bf16"
 
 
 class AggregateSection(_Section):

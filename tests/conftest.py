@@ -196,3 +196,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         nodes = name in NETNS_FILES or any(item.iter_markers("slow")) or any(
             item.iter_markers("interop"))
         item.add_marker(pytest.mark.xdist_group("nodes" if nodes else name))
+
+
+def averager_pair(**kwargs: Any) -> tuple[list[Any], list[str], list[Any], Any]:
+    """Two averaging services on two real hosts on loopback, each the other's partner in
+    every round: (substrates, peer ids, averagers, the initiator: the smaller id, which
+    dials and connects the lane). `kwargs` go to both Averagers (codecs=["fp32"] unless
+    given)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.averaging.service import Averager
+    from p2p.host import Substrate
+
+    kwargs = {"codecs": ["fp32"], "step_time": lambda: 0.01, "inner_steps": 1, **kwargs}
+    subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    ids = [s.peer_id.to_base58() for s in subs]
+    avgs = [Averager(s, "run", me, (lambda other=other: [other]), **kwargs)
+            for s, me, other in zip(subs, ids, reversed(ids), strict=True)]
+    return subs, ids, avgs, avgs[ids.index(min(ids))]
+
+
+async def exchange_both(avgs: list[Any], r: int, vectors: list[Any]) -> list[Any]:
+    """Round r's exchange on both averagers at once; their Outcomes."""
+    outcomes: list[Any] = [None] * len(avgs)
+
+    async def one(i: int) -> None:
+        outcomes[i] = await avgs[i].exchange(r, vectors[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(avgs)):
+            nursery.start_soon(one, i)
+    return outcomes

@@ -106,6 +106,9 @@ def test_node_status_shows_path_kinds_rtt_and_hole_punching():
                                    IDS[3]: {"path": f"relayed via {IDS[4]}", "rtt_ms": 120}},
                          "by_kind": {"punched": 1, "upnp": 1, "webrtc": 0, "direct": 0,
                                      "relayed": 1}},
+          "averaging": {"partners": {IDS[1]: {"wire_mb_per_s": 12.46, "codec": "bf16"},
+                                     IDS[3]: {"wire_mb_per_s": 0.3, "codec": "int8"},
+                                     IDS[2]: {"wire_mb_per_s": None, "codec": None}}},
           "punch": {"attempts": 3, "punched": 1, "failed": 2, "answered": 1,
                     "answered_punched": 1, "protocol_errors": 0,
                     "error": f"{IDS[3]}: no dial to /ip4/198.18.4.2/tcp/4001 got through"}}
@@ -115,8 +118,10 @@ def test_node_status_shows_path_kinds_rtt_and_hole_punching():
     rows = {i: next(line for line in text.splitlines() if i in line and "last" not in line)
             for i in IDS[1:4]}
     assert "punched" in rows[IDS[1]] and "51 ms" in rows[IDS[1]]
-    assert "upnp" in rows[IDS[2]]
+    assert "12.5 MB/s bf16" in rows[IDS[1]]  # the last exchange's wire rate and codec
+    assert "upnp" in rows[IDS[2]] and "MB/s" not in rows[IDS[2]]
     assert f"relayed via …{IDS[4][-6:]}" in rows[IDS[3]] and "120 ms" in rows[IDS[3]]
+    assert "0.3 MB/s int8" in rows[IDS[3]]
     assert "1 punched of 3 tries; answered 1 (1 punched); 0 bad sessions" in text
     assert r.paths_cell(st["peer_paths"]) == "1p 1u 1r"
     assert r.paths_cell(None) == "-"

@@ -28,6 +28,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from node.averaging import adapt
 from node.lane import LaneListener, connect_lane, listen_host
 from node.streams import close_quietly, pump, write_chunks
 from node.training.rounds import Outcome
@@ -53,6 +54,10 @@ class PartnerStats:
     received: Counter[str] = field(default_factory=Counter)
     last_exchange_unix: float | None = None  # wall clock, for the status page
     last_seconds: float | None = None
+    # Bytes on the wire per second during the swap alone (both directions, after the
+    # codec; not the wait at the boundary): what `outer.codec = "auto"` decides by.
+    wire_bytes_per_s: float | None = None
+    last_codec: str | None = None
 
 
 @dataclass
@@ -78,7 +83,8 @@ class Averager:
                  fixed_neighbours: list[str] | None = None,
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
                  open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
-                 path_of: Callable[[str], str] | None = None) -> None:
+                 path_of: Callable[[str], str] | None = None, auto_codec: bool = False
+                 ) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -88,7 +94,9 @@ class Averager:
         self.run_id = run_id
         self.me = me
         self.members = members
-        self.codecs = codecs
+        self.codecs = codecs  # what we accept as responder, in our order of preference
+        # `outer.codec = "auto"` (adapt.py): as initiator, offer what the path calls for
+        self.auto_codec = auto_codec
         self.group_size = group_size
         self.neighbours = neighbours  # gossip learning: k neighbours instead of groups
         # A fixed topology (NodeConfig.neighbours: testnets, tests) replaces both.
@@ -129,6 +137,9 @@ class Averager:
 
     def statistics(self) -> dict[str, Any]:
         return {"partners": {p: {"mb_per_s": round(s.bytes_per_s / 1e6, 1),
+                                 "wire_mb_per_s": None if s.wire_bytes_per_s is None
+                                 else round(s.wire_bytes_per_s / 1e6, 2),
+                                 "codec": s.last_codec,
                                  "exchanges": s.exchanges, "failures": s.failures,
                                  "bytes_sent": dict(s.sent), "bytes_received": dict(s.received),
                                  "last_exchange_unix": s.last_exchange_unix,
@@ -263,8 +274,8 @@ class Averager:
             # never a lane beside a data channel: it has no address to dial
             lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \
                 else ()
-            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()), self.codecs,
-                             lanes=lanes)
+            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()),
+                             self._offer(partner, int(snapshot.numel())), lanes=lanes)
             await stream.write(ex.initiate())
             event = await self._next(stream, ex)
             if isinstance(event, av.Rejected):
@@ -289,6 +300,14 @@ class Averager:
                 await close_quietly(lane)
         finally:
             await close_quietly(stream)
+
+    def _offer(self, partner: str, numel: int) -> list[str]:
+        if not self.auto_codec:
+            return self.codecs
+        st = self.partners.get(partner)
+        return adapt.offer(adapt.AUTO, numel, path=self.path_of(partner),
+                           wire_rate=st.wire_bytes_per_s if st else None,
+                           round_s=self.inner_steps * self.step_time())
 
     # -- the responder's side ---------------------------------------------------------
 
@@ -360,6 +379,7 @@ class Averager:
     async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any, partner: str,
                     path: str) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
+        started = time.monotonic()
         chunks = ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
         received = 0
@@ -376,6 +396,13 @@ class Averager:
                 if isinstance(event, av.ChunkReceived):
                     received += event.nbytes
         self._count(partner, path, sent, received)
+        st = self.partners[partner]
+        seconds = time.monotonic() - started
+        if seconds > 0:
+            rate = (sent + received) / seconds
+            st.wire_bytes_per_s = rate if st.wire_bytes_per_s is None \
+                else 0.7 * st.wire_bytes_per_s + 0.3 * rate
+        st.last_codec = ex.codec
         return ex.received_vector()
 
     async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
