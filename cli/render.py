@@ -14,6 +14,11 @@ def short(peer_id: str | None) -> str:
     return f"…{peer_id[-6:]}" if peer_id else "-"
 
 
+#: A clock this far off the swarm's is worth a line in `node status`: heartbeat ages are
+#: corrected for it (node/membership/view.py), other peers' view of this node's are not.
+CLOCK_WARN_S = 5.0
+
+
 def node_status_table(st: dict[str, Any]) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -34,6 +39,11 @@ def node_status_table(st: dict[str, Any]) -> Group:
     relay = st.get("relay") or {}
     if relay.get("reservations") or relay.get("serving") or relay.get("error"):
         head.add_row("relays", relay_line(relay))
+    offset = (st.get("membership") or {}).get("clock_offset_s")
+    if offset is not None and abs(offset) >= CLOCK_WARN_S:
+        head.add_row("clock", Text(f"{abs(offset):.0f} s {'ahead of' if offset > 0 else 'behind'}"
+                                   " the swarm's (median of the peers' heartbeats): is NTP "
+                                   "running?", "yellow"))
     punch = st.get("punch") or {}
     if punch.get("attempts") or punch.get("answered") or punch.get("error"):
         head.add_row("hole punching", punch_line(punch))

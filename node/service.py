@@ -102,8 +102,9 @@ class NodeContext:
             p = self.run.progress
             stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
                          gnorm=p.grad_norm)  # CheckFree weighs a lost stage's neighbours by it
-            if self.run.stage is not None:  # when written: gossip can deliver it late
-                stats["t"] = round(time.time(), 1)
+            # When written (our wall clock): gossip can deliver it late; the median over
+            # the peers also tells each node how far its own clock is off the swarm's.
+            stats["t"] = round(time.time(), 1)
             if self.run.stage_training:
                 stats["staged"] = 1
         return {k: v for k, v in stats.items() if v is not None}

@@ -12,9 +12,10 @@ from protocols import heartbeat as hb
 from protocols.errors import RemoteProtocolError
 
 
-def beat(seq: int, epoch: int = 1000, step: int = 0) -> hb.Heartbeat:
-    return hb.Heartbeat("peerA", seq, ("/ip4/127.0.0.1/tcp/1",), stats={"step": step},
-                        epoch=epoch)
+def beat(seq: int, epoch: int = 1000, step: int = 0, peer: str = "peerA",
+         t: float | None = None) -> hb.Heartbeat:
+    stats = {"step": step} if t is None else {"step": step, "t": t}
+    return hb.Heartbeat(peer, seq, ("/ip4/127.0.0.1/tcp/1",), stats=stats, epoch=epoch)
 
 
 def test_a_late_heartbeat_neither_revives_a_silent_peer_nor_rolls_its_step_back():
@@ -50,3 +51,26 @@ def test_the_epoch_round_trips_and_is_checked():
             hb.decode(msgpack.packb({**doc, "epoch": bad}), "peerA")
     del doc["epoch"]  # a sender from before epochs: ordered by seq alone
     assert hb.decode(msgpack.packb(doc), "peerA").epoch == 0
+
+
+def test_heartbeat_ages_are_judged_by_the_swarms_clock_not_only_ours():
+    """A heartbeat's `t` is its sender's wall clock. Where our own clock is 300 s off
+    (no NTP), every fresh heartbeat looks 300 s old by it: the median offset over the
+    live peers and ourselves corrects that. A peer whose clock alone is off, or a stale
+    heartbeat that gossip re-delivered, still looks old."""
+    wall = 1_000_000.0
+    view = Membership("me", ttl_s=5.0)
+    assert view.clock_offset() is None
+    # Our clock runs 300 s ahead of the swarm's; peers B, C, D beat now (swarm time).
+    for p in ("B", "C", "D"):
+        view.heard(beat(1, peer=p, t=wall - 300), now=100.0, wall=wall)
+    view.heard(beat(1, peer="E", t=wall - 300 - 120), now=100.0, wall=wall)  # 2 min stale
+    assert view.clock_offset(now=100.5) == pytest.approx(300)
+    ages = {e.peer_id: view.age(e, now_wall=wall + 1, now=100.5) for e in view.live(now=100.5)}
+    assert ages["B"] == pytest.approx(1) and ages["E"] == pytest.approx(121)
+
+    # Synchronized clocks: one stale heartbeat, the only one a fresh joiner has heard,
+    # does not pass for the swarm's clock (our own vote is in the median).
+    view = Membership("me", ttl_s=5.0)
+    view.heard(beat(1, peer="dead", t=wall - 120), now=100.0, wall=wall)
+    assert view.age(view.live(now=100.0)[0], now_wall=wall, now=100.0) == pytest.approx(60)

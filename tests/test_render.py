@@ -123,5 +123,10 @@ def test_node_status_shows_path_kinds_rtt_and_hole_punching():
     assert f"relayed via …{IDS[4][-6:]}" in rows[IDS[3]] and "120 ms" in rows[IDS[3]]
     assert "0.3 MB/s int8" in rows[IDS[3]]
     assert "1 punched of 3 tries; answered 1 (1 punched); 0 bad sessions" in text
+    assert "clock" not in text  # synchronized: nothing to say
+    st["membership"]["clock_offset_s"] = -312.4
+    console = Console(width=250, record=True)
+    console.print(r.node_status_table(st))
+    assert "312 s behind the swarm's" in console.export_text()
     assert r.paths_cell(st["peer_paths"]) == "1p 1u 1r"
     assert r.paths_cell(None) == "-"

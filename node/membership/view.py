@@ -11,6 +11,7 @@ Two sources, one view:
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -40,7 +41,8 @@ class Membership:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def heard(self, beat: Heartbeat, now: float | None = None) -> bool:
+    def heard(self, beat: Heartbeat, now: float | None = None,
+              wall: float | None = None) -> bool:
         """Record a verified heartbeat; True when the peer is new to the view. A heartbeat
         no newer than the last one taken from its peer (gossip delivered it late) is
         counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py)."""
@@ -52,9 +54,13 @@ class Membership:
         new = entry is None
         if self.first_peer_after_s is None and beat.role == "node":
             self.first_peer_after_s = now - self.started
-        self.book.seen(beat.peer, now, list(beat.addrs),
-                       {"role": beat.role, "device": beat.device, "stats": beat.stats,
-                        "order": beat.order})
+        info = {"role": beat.role, "device": beat.device, "stats": beat.stats,
+                "order": beat.order}
+        t = beat.stats.get("t") if isinstance(beat.stats, dict) else None
+        if isinstance(t, int | float) and not isinstance(t, bool):
+            # our clock minus its, plus gossip's delay
+            info["offset"] = (time.time() if wall is None else wall) - t
+        self.book.seen(beat.peer, now, list(beat.addrs), info)
         return new
 
     def attach(self, document: RunDocument) -> None:
@@ -72,6 +78,27 @@ class Membership:
 
     def live_peers(self) -> list[str]:
         return [e.peer_id for e in self.live()]
+
+    def clock_offset(self, now: float | None = None) -> float | None:
+        """The median, over live peers whose heartbeats carry their wall clock (`t`) and
+        ourselves (0), of our clock minus theirs (plus gossip's delay): about 0 where
+        clocks are synchronized (NTP). Subtracted before a heartbeat's age is judged, so a
+        node whose own clock is off still sees the swarm as live, and a peer whose clock
+        is off from everyone's looks old to the others. Our own vote keeps one stale
+        heartbeat, the only one a fresh joiner has heard, from passing for the swarm's
+        clock. None before any such heartbeat."""
+        offsets = [e.info["offset"] for e in self.live(now) if "offset" in e.info]
+        return statistics.median([0.0, *offsets]) if offsets else None
+
+    def age(self, entry: PeerEntry, now_wall: float | None = None,
+            now: float | None = None) -> float | None:
+        """How long ago `entry`'s last heartbeat was written, by the swarm's clock (see
+        clock_offset); None when it carries no `t`."""
+        t = (entry.info.get("stats") or {}).get("t")
+        if not isinstance(t, int | float) or isinstance(t, bool):
+            return None
+        now_wall = time.time() if now_wall is None else now_wall
+        return now_wall - t - (self.clock_offset(now) or 0.0)
 
     def swarm_step(self) -> int:
         """The highest step a live peer reports: a node behind it catches up."""
@@ -110,7 +137,8 @@ class Membership:
         now, wall = time.monotonic(), now_ms()
         return {
             "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
-                       "addrs": e.addrs, **{k: v for k, v in e.info.items() if k != "order"}}
+                       "addrs": e.addrs, **{k: v for k, v in e.info.items()
+                                            if k not in ("order", "offset")}}
                       for e in self.live(now) if e.info.get("role") == "node"],
             "members": [{"peer_id": p, "last_seen_s": round((wall - info.pop("last_seen_ms"))
                                                             / 1000, 1), **info}
@@ -118,4 +146,5 @@ class Membership:
                         if p != self.me],
             "first_peer_after_s": self.first_peer_after_s,
             "stale_heartbeats": self.stale_heartbeats,
+            "clock_offset_s": None if (off := self.clock_offset()) is None else round(off, 1),
         }

@@ -83,19 +83,15 @@ class PipelineService:
 
     def live(self) -> list[Any]:
         """The membership view's live peers, less those whose last heartbeat was written
-        more than FRESH_S ago (its `t`): gossip re-delivered heartbeats minutes old (a
-        relay's backlog, a seen-cache that expired) and they made a killed host look live
-        and a swarm step 200 steps old look current."""
+        more than FRESH_S ago (its `t`, judged by the swarm's clock: Membership.age):
+        gossip re-delivered heartbeats minutes old (a relay's backlog, a seen-cache that
+        expired) and they made a killed host look live and a swarm step 200 steps old look
+        current."""
         ctx = self._ctx
         assert ctx is not None
         now = time.time()
-        out = []
-        for e in ctx.membership.live():
-            t = (e.info.get("stats") or {}).get("t")
-            if isinstance(t, int | float) and not isinstance(t, bool) and now - t > FRESH_S:
-                continue
-            out.append(e)
-        return out
+        return [e for e in ctx.membership.live()
+                if (age := ctx.membership.age(e, now)) is None or age <= FRESH_S]
 
     def swarm_step(self) -> int:
         """The highest step a fresh live peer reports."""
