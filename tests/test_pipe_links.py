@@ -84,7 +84,7 @@ async def test_good_messages_reach_the_inbox_with_their_sender():
     (msg(shape=(2, 16, 9)), "d_model 9"),  # a wrong shape
     (msg(shape=(5, 16, 8)), "batch must be"),  # more sequences than a micro-batch holds
     (msg(stage=1), "sent to stage 2"),  # for another stage
-])
+], ids=["shape", "batch", "stage"])  # the data holds random tensors: ids must not
 async def test_a_wrong_shape_or_stage_closes_the_stream_with_the_reason(data, match):
     with pytest.raises(RemoteProtocolError, match=match):
         await feed([data])
