@@ -69,6 +69,11 @@ def test_heartbeat_ages_are_judged_by_the_swarms_clock_not_only_ours():
     ages = {e.peer_id: view.age(e, now_wall=wall + 1, now=100.5) for e in view.live(now=100.5)}
     assert ages["B"] == pytest.approx(1) and ages["E"] == pytest.approx(121)
 
+    for bad in (float("nan"), float("inf")):  # a hostile clock is left out, not a median
+        view.heard(beat(2, peer="F", t=bad), now=100.6, wall=wall)
+        assert view.clock_offset(now=100.6) == pytest.approx(300)
+        view.book.get("F").info["order"] = (-1, -1)  # let the next beat in
+
     # Synchronized clocks: one stale heartbeat, the only one a fresh joiner has heard,
     # does not pass for the swarm's clock (our own vote is in the median).
     view = Membership("me", ttl_s=5.0)

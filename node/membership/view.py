@@ -11,6 +11,7 @@ Two sources, one view:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -57,8 +58,9 @@ class Membership:
         info = {"role": beat.role, "device": beat.device, "stats": beat.stats,
                 "order": beat.order}
         t = beat.stats.get("t") if isinstance(beat.stats, dict) else None
-        if isinstance(t, int | float) and not isinstance(t, bool):
-            # our clock minus its, plus gossip's delay
+        if isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t):
+            # our clock minus its, plus gossip's delay (a hostile t moves the median by one
+            # rank at most; NaN or inf would have broken it)
             info["offset"] = (time.time() if wall is None else wall) - t
         self.book.seen(beat.peer, now, list(beat.addrs), info)
         return new
