@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from testnet import launcher, netns
-from testnet.bench.report import machine, md_table, write_section
+from testnet.bench.report import DOC, machine, md_table, pyplot, write_section
 from testnet.observe import ask
 
 SAMPLE_S = 5.0
@@ -143,10 +143,35 @@ def main(quick: bool = False, rate: str = "100mbit", rtt_ms: float = 50.0,
                 _sample(net, runs, t0)
         finally:
             launcher.down(directory)
-    text = report(sorted(runs.values(), key=lambda r: r.name), sizes, rate, rtt_ms, quick)
+    ordered = sorted(runs.values(), key=lambda r: r.name)
+    has_plot = plot(ordered, (doc or DOC).parent / "wan.png", rate, rtt_ms)
+    text = report(ordered, sizes, rate, rtt_ms, quick)
+    text += "\n![wan](wan.png)\n" if has_plot else \
+        "\n(No plot: matplotlib is not installed; `pip install -e '.[bench]'`.)\n"
     console.print(text)
     write_section("wan", text, doc) if doc else write_section("wan", text)
     return text
+
+
+def plot(runs: list[NodeRun], path: Path, rate: str, rtt_ms: float) -> bool:
+    """Each node's validation loss over time, the target marked; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in runs:
+        ax.plot([t for t, _ in r.losses], [loss for _, loss in r.losses], lw=1, label=r.name)
+    target = target_loss(runs)
+    if target is not None:
+        ax.axhline(target, color="0.5", ls=":", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel("seconds of training")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"NoLoCo, 4 nodes, every link {rate} with {rtt_ms:g} ms RTT")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
 
 
 def report(runs: list[NodeRun], sizes: dict[str, int], rate: str, rtt_ms: float,
