@@ -109,6 +109,22 @@ def reach(quick: Quick = False,
 
 
 @app.command()
+def wan(quick: Quick = False,
+        rate: Annotated[str, typer.Option(help="Every WAN link's rate, both ways.")] = "100mbit",
+        rtt: Annotated[float, typer.Option(help="Round-trip time added between any two "
+                                           "nodes, in ms.")] = 50.0) -> None:
+    """NoLoCo across shaped WAN links: utilization, bytes per outer step, time to a
+    validation loss, and DiLoCo's all-reduce cost on the same links (root: namespaces)."""
+    from cli.common import fail
+    from testnet.bench import wan as bench
+
+    try:
+        bench.main(quick=quick, rate=rate, rtt_ms=rtt)
+    except bench.BenchUnavailable as e:
+        raise fail(str(e), 2) from None
+
+
+@app.command()
 def churn(quick: Quick = False) -> None:
     """Training through churn: 8 nodes, random SIGKILLs and restarts for 10 min (PNG)."""
     from testnet.bench import churn as bench
