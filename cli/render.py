@@ -95,6 +95,11 @@ def pipeline_lines(pipe: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(("micro-batches", f"{w['micro_batches']} done, {w['dropped']} dropped, "
                       f"{w['stale']} stale, {w['micro_batches_per_s']}/s; "
                       + ", ".join(f"{k} {_bytes(v)}/mb" for k, v in per_mb.items())))
+    rep = pipe.get("replicas") or {}
+    if rep:
+        lines.append(("replicas", f"{rep['rounds_averaged']} rounds averaged with this "
+                      f"stage's other hosts, {rep['rounds_local']} local, {rep['rounds_alone']} "
+                      f"alone; last partner {short(rep.get('last_partner'))}"))
     refused = pipe.get("refused") or {}
     if refused:
         lines.append(("refused", ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))))

@@ -130,3 +130,14 @@ def test_node_status_shows_path_kinds_rtt_and_hole_punching():
     assert "312 s behind the swarm's" in console.export_text()
     assert r.paths_cell(st["peer_paths"]) == "1p 1u 1r"
     assert r.paths_cell(None) == "-"
+
+
+def test_pipeline_lines_show_the_replicas_rounds():
+    pipe = {"stage": 1, "stages": 2, "phase": "training", "moves": 0,
+            "map": {"0": [IDS[0], IDS[1]], "1": [IDS[2], IDS[3]]},
+            "replicas": {"rounds_averaged": 7, "rounds_local": 1, "rounds_alone": 0,
+                         "last_partner": IDS[3]}}
+    rows = dict(r.pipeline_lines(pipe))
+    assert rows["replicas"] == (f"7 rounds averaged with this stage's other hosts, 1 local, "
+                                f"0 alone; last partner …{IDS[3][-6:]}")
+    assert "replicas" not in dict(r.pipeline_lines({**pipe, "replicas": None}))

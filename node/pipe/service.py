@@ -78,6 +78,10 @@ class PipelineService:
         self._move_to: int | None = None  # a takeover asked by membership
         self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run
         self.weights_served = 0
+        # NoLoCo between this stage's replicas (replicas.py), unless outer.algorithm is
+        # "none": built in run(), keyed by stage (its run key follows _set_stage).
+        self.averager: Any = None
+        self._nursery: trio.Nursery | None = None
 
     # -- the stage map -------------------------------------------------------------------
 
@@ -164,6 +168,8 @@ class PipelineService:
             log.info("pipeline: hosting stage %d of %d", stage, self.n)
         self.stage = stage
         ctx.run.stage = stage  # heartbeats and the run document's stats carry it
+        if self.averager is not None:
+            self.averager.run_id = self._replica_key()
         from node.run.rundoc_sync import now_ms, topic
 
         doc = ctx.run.document
@@ -183,7 +189,10 @@ class PipelineService:
         ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
         ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.outbox.run)
+            if self.m.outer.algorithm == "noloco":
+                await nursery.start(self._averager(ctx).run)
             with trio.move_on_after(FIRST_VIEW_S):
                 while ctx.membership.first_peer_after_s is None:
                     await trio.sleep(0.1)
@@ -205,6 +214,55 @@ class PipelineService:
                 log.error("pipeline stopped: %s: %s", type(e).__name__, e)
                 raise TrainingFailed(f"pipeline stopped: {type(e).__name__}: {e}") from e
             nursery.cancel_scope.cancel()
+
+    # -- replicas: NoLoCo between the hosts of one stage ----------------------------------
+
+    def _averager(self, ctx: NodeContext) -> Any:
+        from node.averaging import adapt
+        from node.averaging.service import Averager
+
+        o = self.m.outer
+        self.averager = Averager(
+            ctx.substrate, self._replica_key(), ctx.peer_id, self._replica_partners,
+            codecs=adapt.supported(o.codec), auto_codec=o.codec == adapt.AUTO, group_size=2,
+            step_time=self.progress.step_time, inner_steps=o.inner_steps, stats=self.progress)
+        return self.averager
+
+    def _replica_key(self) -> str:
+        """The run key of this stage's exchanges: a replica of another stage refuses."""
+        return f"{self.run_id}/stage{self.stage}"
+
+    def _replica_partners(self) -> list[str]:
+        """The other live hosts of this node's stage (called from both threads)."""
+        ctx, s = self._ctx, self.stage
+        if ctx is None or s is None:
+            return []
+        return [p for p in self.stage_map()[s] if p != ctx.peer_id]
+
+    def _replica_rounds(self, worker: Any, token: trio.lowlevel.TrioToken) -> Any:
+        from node.optim import NoLoCoConfig
+        from node.pipe.replicas import ReplicaRounds
+
+        o = self.m.outer
+        rounds: Any = None
+
+        def post(r: int, theta: Any) -> None:  # trainer thread
+            with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
+                trio.from_thread.run_sync(self._start_exchange, rounds, r, theta,
+                                          trio_token=token)
+
+        rounds = ReplicaRounds(worker.runner.stage, o.inner_steps,
+                               NoLoCoConfig(outer_lr=o.outer_lr, momentum=o.momentum), post,
+                               has_partners=lambda: bool(self._replica_partners()),
+                               progress=self.progress)
+        return rounds
+
+    def _start_exchange(self, rounds: Any, r: int, theta: Any) -> None:
+        async def exchange() -> None:
+            rounds.deliver(await self.averager.exchange(r, theta))  # never raises
+
+        if self._nursery is not None:
+            self._nursery.start_soon(exchange)
 
     async def _follow_membership(self, ctx: NodeContext) -> None:
         """Keep the stage choice in line with the live view (placement.rebalance)."""
@@ -270,6 +328,8 @@ class PipelineService:
         self.worker = None
         worker = await trio.to_thread.run_sync(self._build_worker, post)
         await self._recover(worker)
+        if self.averager is not None:  # φ starts from the weights the stage starts with
+            worker.replicas = await trio.to_thread.run_sync(self._replica_rounds, worker, token)
         self.worker = worker
 
         def main() -> None:
@@ -599,6 +659,9 @@ class PipelineService:
                         **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
             "queued": self.inbox.qsize(),
             "recovery": self.recovery,
+            "replicas": (self.worker.replicas.statistics()
+                         if self.worker is not None and self.worker.replicas is not None
+                         else None),
             "weights_served": self.weights_served,
             "outbox": self.outbox.statistics() if self.outbox else {},
         }

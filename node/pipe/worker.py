@@ -93,6 +93,7 @@ class StageWorker:
         # Held while the weights change (a step, a recovery) so that a snapshot served to
         # a recovering neighbour (`snapshot`, from another thread) is one step's weights.
         self.lock = threading.Lock()
+        self.replicas: Any = None  # ReplicaRounds, set once the stage is recovered
 
     # -- recovery (called from other threads before run(), or while it runs) ------------
 
@@ -141,6 +142,12 @@ class StageWorker:
             st.step_s = dt if st.step_s == 0 else 0.7 * st.step_s + 0.3 * dt
         st.steps += 1
         self.progress.compute_s += time.monotonic() - t0
+
+    def _after_step(self, step: int) -> None:
+        """The replicas' outer round (replicas.py), under the lock weights are served by."""
+        if self.replicas is not None:
+            with self.lock:
+                self.replicas.after_step(step)
 
     def _lost(self, why: str, n: int = 1) -> None:
         self.stats.dropped += n
@@ -230,6 +237,7 @@ class StageWorker:
                   r.stage.wte.weight.detach())
         self.step = t + 1
         self.progress.step = self.step
+        self._after_step(self.step)
         self._timed(t0, last_back)
 
     # -- the other stages ----------------------------------------------------------------
@@ -266,6 +274,7 @@ class StageWorker:
             last_back = None
             r.optimizer.zero_grad(set_to_none=True)
             self.progress.step = cur + 1
+            self._after_step(cur + 1)
             done, losses, is_open = 0, [], False
 
         def backward_done(mb: int, g: Any, to: str) -> None:

@@ -1,0 +1,109 @@
+"""NoLoCo between the replicas of one stage (docs/pipeline.md, "Replicas").
+
+Every `outer.inner_steps` steps the stage's worker (the trainer thread) snapshots the
+stage's own parameters, never the last stage's borrowed head matrix (the first stage owns
+it and averages it with its own replicas: spec §4g), and posts the snapshot to the trio
+side, which exchanges it with another replica of the stage over the averaging protocol
+(node/averaging/service.py). The outcome is applied at a later step the way the
+data-parallel trainer applies it (docs/training.md, "Delayed application"):
+φ ← NoLoCo(θ_r, the partner's θ_r) and θ ← φ + (θ_now − θ_r), so the steps taken meanwhile
+are kept. A round whose outcome has not come by the next boundary is closed with a local
+outer step. A stage with no other replica at a boundary takes no outer step at all (φ
+follows θ): one replica trains exactly as before.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from node.optim import NoLoCo, NoLoCoConfig
+from node.pipeline.stages import own_parameters
+from node.training.rounds import Outcome
+
+
+class ReplicaRounds:
+    """The outer rounds of one stage replica. `after_step` runs in the trainer thread
+    with the worker's lock held; `deliver` may be called from any thread."""
+
+    def __init__(self, stage: Any, inner_steps: int, config: NoLoCoConfig,
+                 post: Callable[[int, torch.Tensor], None],
+                 has_partners: Callable[[], bool], progress: Any = None) -> None:
+        self.params = list(own_parameters(stage))
+        self.h = inner_steps
+        self.post = post  # (round, a snapshot the trio side owns) -> starts the exchange
+        self.has_partners = has_partners
+        self.outer = NoLoCo(self.vector(), config)
+        self.pending: dict[int, torch.Tensor] = {}  # round -> θ_r awaiting its outcome
+        self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.averaged = 0
+        self.local = 0
+        self.alone = 0
+        self.last_partner: str | None = None
+        self.progress = progress  # TrainingStats: its round counters show in heartbeats
+
+    def vector(self) -> torch.Tensor:
+        return parameters_to_vector([p.detach() for p in self.params]).float().cpu()
+
+    def _set(self, vec: torch.Tensor) -> None:
+        first = self.params[0]
+        vector_to_parameters(vec.to(first.device, first.dtype), self.params)
+
+    def deliver(self, outcome: Outcome) -> None:
+        self.outcomes.put(outcome)
+
+    def after_step(self, step: int) -> None:
+        """Apply the outcomes that came; at a round boundary, close the rounds still open
+        locally and start this round's exchange (or, alone, let φ follow θ)."""
+        self.apply()
+        if step <= 0 or step % self.h:
+            return
+        for r in sorted(self.pending):
+            self._outer(self.pending.pop(r), [])
+            self.local += 1
+            self._count()
+        theta = self.vector()
+        if not self.has_partners():
+            with torch.no_grad():
+                self.outer.phi.copy_(theta)
+            self.alone += 1
+            return
+        r = step // self.h
+        self.pending[r] = theta
+        self.post(r, theta.clone())
+
+    def apply(self) -> None:
+        while True:
+            try:
+                outcome = self.outcomes.get_nowait()
+            except queue.Empty:
+                return
+            theta = self.pending.pop(outcome.round, None)
+            if theta is None:  # too late: closed locally at a later boundary
+                continue
+            self._outer(theta, outcome.partner_thetas)
+            if outcome.partner_thetas:
+                self.averaged += 1
+                self.last_partner = outcome.partner
+            else:
+                self.local += 1
+            self._count()
+
+    def _count(self) -> None:
+        if self.progress is not None:
+            self.progress.rounds_averaged = self.averaged
+            self.progress.rounds_local = self.local
+            self.progress.last_partner = self.last_partner
+
+    def _outer(self, theta: torch.Tensor, partners: list[Any]) -> None:
+        phi = self.outer.outer_step(theta, partners)
+        self._set(phi + (self.vector() - theta))
+
+    def statistics(self) -> dict[str, Any]:
+        return {"rounds_averaged": self.averaged, "rounds_local": self.local,
+                "rounds_alone": self.alone, "last_partner": self.last_partner,
+                "inner_steps": self.h}
