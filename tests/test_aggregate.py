@@ -424,6 +424,25 @@ def test_sybilwall_uses_gossiped_histories_to_catch_a_lone_sybil_neighbour():
     assert fools.aggregate(1, own, incoming).weights["s0"] > 0.15
 
 
+def test_sybilwall_gives_no_weight_to_a_sybil_that_came_alone_this_round():
+    """A round where only one sybil's model came (the twin's and the honest partner's
+    exchanges failed): scaled by this round's neighbours alone, that sybil was its own
+    maximum and got half our model (seen in the swarm test under load). The recent direct
+    neighbours' entries join the scale, and the absent twin's history condemns it."""
+    g = torch.Generator().manual_seed(4)
+    own = ref = mlp(0)
+    wall = make_aggregator("sybilwall", self_id="me", reference=ref)
+    sybil = nudged(own, g)
+    first = wall.aggregate(1, own, [Incoming("s1", sybil), Incoming("s2", sybil),
+                                    Incoming("h", nudged(own, g))])
+    assert first.weights["s1"] == first.weights["s2"] == 0.0 and first.weights["h"] > 0
+    alone = wall.aggregate(2, own, [Incoming("s1", nudged(sybil, g, 0.01))])
+    assert alone.weights == {"self": 1.0, "s1": 0.0}
+    # long after, the entries are no longer recent: a lone model weighs like us again
+    late = wall.aggregate(9, own, [Incoming("h", nudged(own, g))])
+    assert late.weights == {"self": 0.5, "h": 0.5}
+
+
 def test_sybilwall_renormalises_over_the_models_it_aggregates_only():
     """The reference code's bug (spec §3g): it normalised over all N + M + 1 scores and
     zipped only N + 1 models with them, so our model took the first distant peer's score

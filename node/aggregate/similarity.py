@@ -26,6 +26,7 @@ from .base import (
 from .history import LAMBDA, HistoryTable
 
 SAME = 1e-6  # 1 − cosine below this: identical histories (fp32 holds ~7 digits)
+RECENT = 3  # rounds a direct neighbour's entry counts in the scale after its last model
 GRAM_BLOCK = 1 << 22  # elements of all histories stacked at once: bounds the extra memory
 
 
@@ -96,13 +97,15 @@ class SybilWall:
     inform the matrix and are then dropped.
 
     One deliberate departure from spec §3c step 6: the weights are scaled by the largest
-    *neighbour* weight, not the largest over every history. Measured (`node bench robust`,
+    weight among this round's neighbours and the direct neighbours heard in the last
+    RECENT rounds, not the largest over every history. Measured (`node bench robust`,
     20 honest peers, Dirichlet 0.1): scaled over everything, a stale gossiped history from
     round 0 held the largest weight for the whole run, every current honest neighbour fell
     below it, the logit step zeroed them, and honest peers kept 2/3 of the weight on their
     own model: 45% accuracy without any attacker against 87% for the mean. Scaled over the
     neighbours the sybils still score 0 (their twins are in the matrix) and honest peers
-    keep learning from each other.
+    keep learning from each other. Scaled over this round's neighbours alone, a round with
+    one model (its partners' exchanges failed) gave that model full weight, a sybil's too.
     """
 
     name = "sybilwall"
@@ -147,9 +150,17 @@ class SybilWall:
         neighbours = [i.peer for i in accepted]
         direct = {*neighbours, self.self_id}
         others = [p for p in self.history.entries if p not in direct] if self.gossip else []
+        # Recent direct entries (neighbours of the last RECENT rounds whose model did not
+        # come this round) join the scale: a round whose only model came from one sybil
+        # made it its own maximum, so full weight however close its absent twin's history
+        # was (the swarm test under load: an honest node learnt the attack).
+        recent = [p for p in others if self.history.entries[p].distance == 1
+                  and round - self.history.entries[p].round <= RECENT]
+        others = recent + [p for p in others if p not in recent]
         scored = neighbours + others
         scores = similarity_weights(
-            [self.history.entries[p].vector for p in scored], scale_by=len(neighbours)
+            [self.history.entries[p].vector for p in scored],
+            scale_by=len(neighbours) + len(recent),
         )
         self.last_scores = dict(zip(scored, scores, strict=True))
         # Our own model weighs 1; only the N neighbours' scores join it (not the gossiped
