@@ -5,6 +5,7 @@ loss falls (docs/pipeline.md, "Replicas")."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,8 +39,6 @@ def test_each_host_averages_with_the_other_host_of_its_stage(net):
                and all(pipeline(p).get("phase") == "training" for p in procs),
                180, "two hosts on each of the 2 stages, training")
     tail = next(p for p in procs if pipeline(p).get("stage") == 1)
-    first = wait_until(lambda: pipeline(tail).get("training", {}).get("loss"), 120,
-                       "the last stage's first loss")
 
     def averaged(p: launcher.Proc) -> dict | None:
         q = pipeline(p)
@@ -51,6 +50,7 @@ def test_each_host_averages_with_the_other_host_of_its_stage(net):
         me = answer(p)["peer_id"]
         partner = q["replicas"]["last_partner"]
         assert partner in q["map"][str(q["stage"])] and partner != me, (p.name, q["map"])
-    # the last stage computes the loss: it fell while the replicas averaged
+    # the last stage computes the loss: far below a fresh model's ln 256 = 5.55 nats/byte
+    # (its first reading here may already be mid-training, so it is not the reference)
     loss = pipeline(tail)["training"]["loss"]
-    assert loss < first - 0.5, (first, loss)
+    assert loss is not None and math.isfinite(loss) and loss < math.log(256) - 1.0, loss
