@@ -8,6 +8,7 @@ generous on purpose (a deadline never slows a passing test down)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -126,6 +127,23 @@ def members(p: launcher.Proc) -> list[dict]:
 def nodes(net: launcher.Testnet) -> list[launcher.Proc]:
     """Every process of a testnet except its bootstrap."""
     return [p for p in net.procs if p.name != "bootstrap"]
+
+
+def pipeline(p: launcher.Proc) -> dict:
+    """The `pipeline` part of a node's status, {} when absent or unanswered."""
+    return status(p).get("pipeline") or {}
+
+
+@contextlib.contextmanager
+def pipeline_testnet(directory: Path, stages: int) -> Iterator[launcher.Testnet]:
+    """`node testnet up --scenario pipeline` with 4 nodes over `stages` stages (a module
+    fixture's testnet: built once, torn down after its last test)."""
+    net = launcher.up(directory, 4, manifest=launcher.scenario_manifest_path("pipeline"),
+                      detached=True, stages=stages, timeout=180)
+    try:
+        yield net
+    finally:
+        launcher.down(directory)
 
 
 def run_cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:

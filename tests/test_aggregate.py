@@ -443,6 +443,34 @@ def test_sybilwall_gives_no_weight_to_a_sybil_that_came_alone_this_round():
     assert late.weights == {"self": 0.5, "h": 0.5}
 
 
+def test_sybilwall_remembers_neighbours_that_once_sent_one_model():
+    """The swarm test under load: the twin's entry, rounds old, no longer resembles the
+    sybil that came alone, while an honest neighbour that averages with its own partner
+    every round looks like that partner's gossiped history; scored on today's histories,
+    the sybil was the most unique model and got half of ours. Two models that arrived
+    bit-identical in one round are one attacker for as long as both entries are held."""
+    g = torch.Generator().manual_seed(5)
+    own = ref = mlp(0)
+    honest, sybil = nudged(own, g), nudged(own, g)
+
+    def lone_sybil_round(twin: State) -> dict[str, float]:
+        wall = make_aggregator("sybilwall", self_id="me", reference=ref)
+        wall.aggregate(1, own, [Incoming("s1", sybil), Incoming("s2", twin),
+                                Incoming("h", honest)])
+        pair = flat(nudged(honest, g, 0.001)) - flat(ref)  # h's partner, heard by gossip
+        assert wall.history.offer("h", HistoryEntry("p", 9, 1, pair)) is None
+        moved = nudged(sybil, g, 0.05)  # the sybil trained on since its twin was seen
+        return wall.aggregate(10, own, [Incoming("s1", moved), Incoming("h", honest)]).weights
+
+    weights = lone_sybil_round(twin=sybil)
+    assert weights["s1"] == 0.0 and weights["h"] == pytest.approx(0.5), weights
+    # Only bit-identical models link: a twin off by a rounding is not remembered, and then
+    # the lone sybil wins (what the memory prevents).
+    almost = {k: v + 1e-7 * torch.randn(v.shape, generator=g) for k, v in sybil.items()}
+    weights = lone_sybil_round(twin=almost)
+    assert weights["s1"] == pytest.approx(0.5) and weights["h"] == 0.0, weights
+
+
 def test_sybilwall_renormalises_over_the_models_it_aggregates_only():
     """The reference code's bug (spec §3g): it normalised over all N + M + 1 scores and
     zipped only N + 1 models with them, so our model took the first distant peer's score

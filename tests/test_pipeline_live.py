@@ -13,13 +13,9 @@ import pytest
 
 from testnet import launcher
 
-from .conftest import cli, nodes, status, wait_until
+from .conftest import cli, nodes, pipeline, pipeline_testnet, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def pipeline(p: launcher.Proc) -> dict:
-    return status(p).get("pipeline") or {}
 
 
 def stages_of(net: launcher.Testnet) -> dict[str, int | None]:
@@ -48,13 +44,8 @@ def pipeline_report(net: launcher.Testnet) -> str:
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    directory: Path = tmp_path_factory.mktemp("pipe") / "tn"
-    net = launcher.up(directory, 4, manifest=launcher.scenario_manifest_path("pipeline"),
-                      detached=True, stages=4, timeout=180)
-    try:
+    with pipeline_testnet(tmp_path_factory.mktemp("pipe") / "tn", stages=4) as net:
         yield net
-    finally:
-        launcher.down(directory)
 
 
 def wait_for_training(net: launcher.Testnet, steps: int = 0) -> None:

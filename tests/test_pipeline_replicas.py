@@ -7,30 +7,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from testnet import launcher
 
-from .conftest import answer, nodes, status, wait_until
+from .conftest import answer, nodes, pipeline, pipeline_testnet, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-def pipeline(p: launcher.Proc) -> dict:
-    return status(p).get("pipeline") or {}
-
-
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    directory: Path = tmp_path_factory.mktemp("pipe2") / "tn"
-    net = launcher.up(directory, 4, manifest=launcher.scenario_manifest_path("pipeline"),
-                      detached=True, stages=2, timeout=180)
-    try:
+    with pipeline_testnet(tmp_path_factory.mktemp("pipe2") / "tn", stages=2) as net:
         yield net
-    finally:
-        launcher.down(directory)
 
 
 def test_each_host_averages_with_the_other_host_of_its_stage(net):

@@ -166,3 +166,34 @@ async def test_a_node_that_jumps_lands_on_the_swarm_boundary_and_exchanges_there
     with trio.fail_after(60):
         await service.run()
     assert rounds[0] == 2  # the swarm's last boundary, not the one after it
+
+
+async def test_a_replaying_attacker_aims_one_round_past_the_swarm_and_trains_every_step():
+    """A testnet sybil trains the steps it is behind (so its identities stay bit-identical),
+    which takes as long as the swarm takes to move on: it aims one round past the swarm's
+    last boundary, or a sybil that started late would stay that far behind for good."""
+    rounds: list[int] = []
+    trained: list[int] = []
+
+    async def exchange(r: int, snapshot) -> Outcome:
+        rounds.append(r)
+        return Outcome(r, [])
+
+    def counting():
+        trainer, outer, h = build()()
+        step = trainer.step
+
+        def counted():
+            trained.append(trainer.step_count)
+            return step()
+
+        trainer.step = counted
+        return trainer, outer, h
+
+    service = TrainingService(counting, exchange=exchange, max_steps=4 * H,
+                              replay_to_align=True)
+    service.swarm_step = 2 * H + 2  # past round 2's boundary: aim for round 3's
+    with trio.fail_after(60):
+        await service.run()
+    assert rounds[0] == 3
+    assert trained == list(range(4 * H))  # no step skipped

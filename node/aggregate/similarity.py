@@ -10,6 +10,7 @@ similarity matrix.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -48,7 +49,10 @@ def cosine_matrix(histories: Sequence[torch.Tensor], block: int = GRAM_BLOCK) ->
 
 
 def similarity_weights(
-    histories: Sequence[torch.Tensor], *, scale_by: int | None = None
+    histories: Sequence[torch.Tensor],
+    *,
+    scale_by: int | None = None,
+    linked: Sequence[tuple[int, int]] = (),
 ) -> list[float]:
     """FoolsGold's weight in [0, 1] for each history (spec §3c step 6): S = cosine matrix
     minus the identity; pardoning; w = clip(1 − max_k S_jk, 0, 1); w / max(w); then the
@@ -57,13 +61,25 @@ def similarity_weights(
 
     `scale_by=k` divides by the largest of the first k weights only (the models about to be
     aggregated; SybilWall's departure, see its docstring); the rest still shape the matrix,
-    and any of theirs above that maximum count as 1. None: the spec's max over all."""
+    and any of theirs above that maximum count as 1. None: the spec's max over all.
+    `linked` pairs (i, j) are known twins: their similarity is 1 whatever their histories
+    say now (SybilWall's memory of identical models, see its docstring)."""
     n = len(histories)
     if n == 0:
         return []
+    return foolsgold_weights(cosine_matrix(histories), scale_by=scale_by, linked=linked)
+
+
+def foolsgold_weights(
+    cos: torch.Tensor, *, scale_by: int | None = None, linked: Sequence[tuple[int, int]] = ()
+) -> list[float]:
+    """`similarity_weights` from the histories' cosine matrix (not modified)."""
+    n = cos.shape[0]
     if n == 1:
         return [1.0]  # nothing to compare with: FoolsGold cannot accuse a lone history
-    sim = cosine_matrix(histories)
+    sim = cos.clone()
+    for i, j in linked:
+        sim[i, j] = sim[j, i] = 1.0
     sim.fill_diagonal_(0.0)
     # The zeroed diagonal takes part in the max, so every s_j >= 0 and the pardoning
     # factor s_j / s_k lies in [0, 1): an honest peer that happens to resemble a sybil
@@ -106,6 +122,15 @@ class SybilWall:
     neighbours the sybils still score 0 (their twins are in the matrix) and honest peers
     keep learning from each other. Scaled over this round's neighbours alone, a round with
     one model (its partners' exchanges failed) gave that model full weight, a sybil's too.
+
+    And one addition: direct neighbours that once sent bit-identical models in the same
+    round are remembered as one attacker (similarity 1 from then on, while both entries
+    are held). Histories are models minus the shared start, so a twin seen rounds ago no
+    longer resembles the sybil that came alone today, while honest peers that average with
+    each other every round grow alike: in the swarm test under load (exchanges failing,
+    the twin chronically rounds behind) the lone sybil became the most unique model and
+    an honest node learnt the attack. Honest peers train on their own data between
+    exchanges, so their models are never bit-identical.
     """
 
     name = "sybilwall"
@@ -132,6 +157,31 @@ class SybilWall:
         )
         # Every scored peer's raw score in the last round, gossiped ones too (for status).
         self.last_scores: dict[str, float] = {}
+        # peer -> attacker group: direct neighbours that once sent bit-identical models in
+        # one round. Forgotten with the peer's history entry, so bounded by the table.
+        self.twins: dict[str, int] = {}
+        self._groups = itertools.count()
+
+    def _link_twins(self, neighbours: Sequence[str], histories: Sequence[torch.Tensor],
+                    cos: torch.Tensor) -> None:
+        """Join the groups of this round's neighbours whose models were bit-identical
+        (only models we received ourselves: gossip is the observer's word, and a forger
+        could frame two honest peers as one)."""
+        self.twins = {p: g for p, g in self.twins.items() if p in self.history.entries}
+        for i in range(len(neighbours)):
+            for j in range(i + 1, len(neighbours)):
+                if 1.0 - float(cos[i, j]) < SAME and torch.equal(histories[i], histories[j]):
+                    a, b = neighbours[i], neighbours[j]
+                    merged, group = {self.twins.get(a), self.twins.get(b)}, next(self._groups)
+                    self.twins = {p: group if g in merged else g for p, g in self.twins.items()}
+                    self.twins[a] = self.twins[b] = group
+
+    def _linked_pairs(self, scored: Sequence[str]) -> list[tuple[int, int]]:
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(scored):
+            if p in self.twins:
+                by_group.setdefault(self.twins[p], []).append(i)
+        return [(a, b) for idx in by_group.values() for k, a in enumerate(idx) for b in idx[k + 1:]]
 
     def aggregate(self, round: int, own: State, incoming: Sequence[Incoming]) -> AggregateResult:
         accepted, rejected = validate_incoming(own, incoming, self_id=self.self_id)
@@ -158,10 +208,11 @@ class SybilWall:
                   and round - self.history.entries[p].round <= RECENT]
         others = recent + [p for p in others if p not in recent]
         scored = neighbours + others
-        scores = similarity_weights(
-            [self.history.entries[p].vector for p in scored],
-            scale_by=len(neighbours) + len(recent),
-        )
+        histories = [self.history.entries[p].vector for p in scored]
+        cos = cosine_matrix(histories)
+        self._link_twins(neighbours, histories, cos)
+        scores = foolsgold_weights(cos, scale_by=len(neighbours) + len(recent),
+                                   linked=self._linked_pairs(scored))
         self.last_scores = dict(zip(scored, scores, strict=True))
         # Our own model weighs 1; only the N neighbours' scores join it (not the gossiped
         # peers', whose models we do not have), and N + 1 weights are renormalised.

@@ -239,6 +239,11 @@ class TrainingService:
                 # node that kept catching up met its partners in no round at all (the
                 # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges).
                 target = self.swarm_step // inner_steps * inner_steps - 1
+                if self.replay_to_align:
+                    # Replaying takes as long as the swarm takes to move on: aim a round
+                    # further (never a full round past the swarm, which would make others
+                    # jump), or a sybil that started late stays rounds behind for good.
+                    target += inner_steps
                 log.info("step %d is behind the swarm (%d): continuing from step %d",
                          st.step, self.swarm_step, target)
                 for r in sorted(pending):
