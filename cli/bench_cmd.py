@@ -32,8 +32,18 @@ def utilization(
 
 
 @app.command()
-def convergence(quick: Quick = False) -> None:
+def convergence(
+    quick: Quick = False,
+    pipeline: Annotated[bool, typer.Option(
+        "--pipeline", help="2 stages x 4 replicas, random routing on and off, instead.")]
+    = False,
+) -> None:
     """NoLoCo vs DiLoCo vs NoLoCo-over-all vs none vs synchronous, equal compute (PNG)."""
+    if pipeline:
+        from testnet.bench import pipeconv
+
+        pipeconv.main(quick=quick)
+        return
     from testnet.bench import convergence as bench
 
     bench.main(quick=quick)
@@ -146,6 +156,7 @@ def run_all(quick: Quick = False) -> None:
     p2p(quick)
     utilization(quick)
     convergence(quick)
+    convergence(quick, pipeline=True)
     checkfree(quick)
     robust(quick)
     join(quick)
