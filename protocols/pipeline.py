@@ -361,7 +361,7 @@ def _short(value: Any) -> str:
 # CheckFree rebuilds a lost stage from its neighbours' weights, and a stage that still has
 # a live replica is copied from it. The asker sends one envelope and reads one answer:
 #
-#     ask:    pipe.wget {run, stage, part: "blocks" | "all"}
+#     ask:    pipe.wget {run, stage, part: "blocks" | "all" | "ends"}
 #     answer: pipe.weights {run, stage, step, gnorm, names, shapes} then one fp32 tensor
 #             frame per name, in order;  or  pipe.wnone {reason}
 #
@@ -398,7 +398,10 @@ class NoWeights:
     reason: str
 
 
-PARTS: Final = ("blocks", "all")  # the transformer blocks (CheckFree), or the whole stage
+# The transformer blocks (CheckFree), the whole stage, or its ends: the embedding of the
+# first stage, the final norm of the last (CheckFree+ restores a lost edge stage's ends from
+# the copy its neighbour keeps, and that neighbour answers for it).
+PARTS: Final = ("blocks", "all", "ends")
 
 
 def encode_weights_request(run: str, stage: int, part: str = "all") -> bytes:

@@ -135,11 +135,12 @@ def pipeline(p: launcher.Proc) -> dict:
 
 
 @contextlib.contextmanager
-def pipeline_testnet(directory: Path, stages: int) -> Iterator[launcher.Testnet]:
+def pipeline_testnet(directory: Path, stages: int, manifest: Path | None = None
+                     ) -> Iterator[launcher.Testnet]:
     """`node testnet up --scenario pipeline` with 4 nodes over `stages` stages (a module
     fixture's testnet: built once, torn down after its last test)."""
-    net = launcher.up(directory, 4, manifest=launcher.scenario_manifest_path("pipeline"),
-                      detached=True, stages=stages, timeout=180)
+    net = launcher.up(directory, 4, manifest=manifest or launcher.scenario_manifest_path(
+        "pipeline"), detached=True, stages=stages, timeout=180)
     try:
         yield net
     finally:

@@ -250,6 +250,9 @@ def test_a_weights_request_is_checked() -> None:
     dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
     dec.feed(pipe.encode_weights_request(RUN, 3, "blocks"))
     assert pipe.check_weights_request(dec.next_event(), RUN) == (3, "blocks")
+    dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
+    dec.feed(pipe.encode_weights_request(RUN, 0, "ends"))  # CheckFree+: an edge's ends
+    assert pipe.check_weights_request(dec.next_event(), RUN) == (0, "ends")
     bad = encode_envelope(Envelope("pipe.wget", 0, {"run": RUN, "stage": 3, "part": "optim"}))
     dec = pipe.WEIGHTS_REQUEST_LIMITS.decoder()
     dec.feed(bad)

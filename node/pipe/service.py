@@ -46,6 +46,7 @@ FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before c
 JOIN_TIMEOUT_S = 30.0
 FETCH_TRIES = 3
 FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
+ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
 
 
 class PipelineService:
@@ -78,6 +79,10 @@ class PipelineService:
         self._move_to: int | None = None  # a takeover asked by membership
         self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run
         self.weights_served = 0
+        # CheckFree+: the ends (embedding, final norm) of a neighbouring edge stage, kept so
+        # that a replacement can restore them when that stage loses every host; refreshed
+        # every ENDS_EVERY_S (_keep_ends). An EdgeCopies once torch is loaded.
+        self.ends_copies: Any = None
         # NoLoCo between this stage's replicas (replicas.py), unless outer.algorithm is
         # "none": built in run(), keyed by stage (its run key follows _set_stage).
         self.averager: Any = None
@@ -204,6 +209,8 @@ class PipelineService:
                 await trio.sleep(ctx.config.peer_ttl_s)
             self._set_stage(placement.choose(self.hosts(), self.n))
             nursery.start_soon(self._follow_membership, ctx)
+            if self.m.pipeline is not None and self.m.pipeline.recovery == "checkfree+":
+                nursery.start_soon(self._keep_ends)
             task_status.started()
             await self._wait_to_start(ctx)
             try:
@@ -455,9 +462,7 @@ class PipelineService:
 
         try:
             how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
-            if how.rule == "none" or how.ends:
-                raise RecoveryError(f"stage {s} holds the (de)embedding: its neighbours' "
-                                    "copies are not kept live yet")
+            ends = await self._ends_copy(worker, s, smap) if how.ends else None
             shapes = {k: tuple(v.shape) for k, v in stage.blocks.state_dict().items()}
             blocks: dict[int, Any] = {}
             norms: dict[int, float] = {}
@@ -473,12 +478,77 @@ class PipelineService:
                 sources.append(peer)
             await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
                                           self.m.train.grad_clip, p.lr_boost)
+            if ends is not None:
+                holder, tensors = ends
+                await trio.to_thread.run_sync(worker.load_ends, tensors)
+                sources += [holder] if holder not in sources else []
         except Exception as e:  # RecoveryError, BadGradNorm, a neighbour gone: the seed's
             log.warning("pipeline: stage %d cannot be rebuilt (%s); it starts from the "
                         "seed's weights", s, e)
             self._recovered("none", [], t0, swarm, str(e))
             return
-        self._recovered(how.rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+        rule = how.rule if ends is None else "ends" if how.rule == "none" else f"{how.rule}+ends"
+        self._recovered(rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+
+    def _edge_neighbour(self, edge: int) -> int:
+        return 1 if edge == 0 else self.n - 2
+
+    async def _ends_copy(self, worker: Any, s: int, smap: list[list[str]]
+                         ) -> tuple[str, dict[str, Any]]:
+        """CheckFree+: (holder, tensors) of the copy of lost edge stage `s`'s ends (its
+        embedding / final norm) that its neighbour keeps; ours if this node was that
+        neighbour (a takeover). RecoveryError when no neighbour has one."""
+        from node.recovery.checkfree import RecoveryError
+
+        ctx = self._ctx
+        assert ctx is not None
+        if self.ends_copies is not None and s in self.ends_copies.refreshed_at:
+            return ctx.peer_id, self.ends_copies.get(s)
+        shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.ends_state().items()}
+        holders = smap[self._edge_neighbour(s)]
+        for peer in holders:
+            try:
+                got = await self._fetch(peer, s, "ends", shapes)
+            except Exception as e:
+                log.warning("pipeline: the copy of stage %d's ends at %s: %s", s, peer, e)
+                continue
+            return peer, got.tensors
+        raise RecoveryError(f"no neighbour holds a copy of stage {s}'s ends "
+                            f"(asked {len(holders)})")
+
+    async def _keep_ends(self) -> None:
+        """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
+        edge's ends, refreshed every ENDS_EVERY_S from one of its live hosts."""
+        from node.recovery import EdgeCopies
+
+        self.ends_copies = EdgeCopies()
+        while True:
+            await trio.sleep(ENDS_EVERY_S)
+            if not self.training or self.worker is None or self.stage is None:
+                continue
+            for edge in (0, self.n - 1):
+                if edge == self.stage or self._edge_neighbour(edge) != self.stage:
+                    continue
+                hosts = self.stage_map()[edge]
+                if not hosts:
+                    continue  # lost: keep the copy we have, a replacement will ask for it
+                try:
+                    shapes = await trio.to_thread.run_sync(self._ends_shapes, edge)
+                    got = await self._fetch(hosts[0], edge, "ends", shapes)
+                except Exception as e:
+                    log.info("pipeline: refreshing the copy of stage %d's ends: %s", edge, e)
+                    continue
+                self.ends_copies.refresh(edge, got.tensors, got.step)
+
+    def _ends_shapes(self, edge: int) -> dict[str, tuple[int, ...]]:
+        from node.pipeline.stages import Stage
+        from node.trainer.models import GPTConfig
+
+        m = self.m.model
+        config = GPTConfig(d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                           context=m.context)
+        template = Stage(config, edge, self.n, 0)
+        return {k: tuple(v.shape) for k, v in template.ends_state().items()}
 
     def _recovered(self, rule: str, sources: list[str], t0: float, step: int,
                    reason: str | None = None, norms: dict[str, float] | None = None) -> None:
@@ -546,12 +616,17 @@ class PipelineService:
                 stage, part = pipe.check_weights_request(await next_event(stream, decoder),
                                                          self.run_id)
             worker = self.worker
-            if worker is None or stage != self.stage:
+            copies = self.ends_copies
+            if part == "ends" and stage != self.stage and copies is not None \
+                    and stage in copies.refreshed_at:
+                step, gnorm, state = copies.refreshed_at[stage], 0.0, copies.get(stage)
+            elif worker is None or stage != self.stage:
                 await stream.write(pipe.encode_no_weights(
                     f"this node hosts stage {self.stage}, not {stage}" if worker
                     else "not training yet"))
                 return
-            step, gnorm, state = await trio.to_thread.run_sync(worker.snapshot, part)
+            else:
+                step, gnorm, state = await trio.to_thread.run_sync(worker.snapshot, part)
             with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
                 await write_chunks(stream, pipe.encode_weights(self.run_id, stage, step,
                                                                gnorm, state))
@@ -663,5 +738,7 @@ class PipelineService:
                          if self.worker is not None and self.worker.replicas is not None
                          else None),
             "weights_served": self.weights_served,
+            "ends_copies": ({str(k): step for k, step in self.ends_copies.refreshed_at.items()}
+                            if self.ends_copies is not None else {}),
             "outbox": self.outbox.statistics() if self.outbox else {},
         }

@@ -98,11 +98,14 @@ class StageWorker:
     # -- recovery (called from other threads before run(), or while it runs) ------------
 
     def snapshot(self, part: str) -> tuple[int, float, dict[str, Any]]:
-        """(step, gradient norm after clipping, weights): "blocks" or "all" of the stage."""
+        """(step, gradient norm after clipping, weights): "blocks", "ends" or "all" of the
+        stage."""
         stage = self.runner.stage
         with self.lock:
             if part == "blocks":
                 state = stage.blocks_state()
+            elif part == "ends":
+                state = stage.ends_state()
             else:
                 state = {k: v.detach().clone() for k, v in stage.state_dict().items()}
             return self.progress.step, float(self.runner.grad_norm), \
@@ -112,6 +115,12 @@ class StageWorker:
         """A live replica's weights (a stage that still has one is copied, not rebuilt)."""
         with self.lock:
             self.runner.stage.load_state_dict(state, strict=True)
+
+    def load_ends(self, state: dict[str, Any]) -> None:
+        """CheckFree+: a lost edge stage's embedding or final norm, from the copy its
+        neighbour kept (Stage.load_ends_state checks the names)."""
+        with self.lock:
+            self.runner.stage.load_ends_state(state)
 
     def rebuild(self, plan: Any, blocks: dict[int, Any], norms: dict[int, float],
                 grad_clip: float, lr_boost: float) -> None:

@@ -1,0 +1,71 @@
+"""CheckFree+ on real node processes: an edge stage whose only host dies is rebuilt by a
+replacement, its blocks copied from its swap partner and its ends (the embedding) from the
+copy its neighbour keeps (docs/pipeline.md, "Recovery rules"); training goes on."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testnet import launcher
+
+from .conftest import answer, nodes, pipeline, pipeline_testnet, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
+    directory = tmp_path_factory.mktemp("edge")
+    text = launcher.scenario_manifest_path("pipeline").read_text()
+    assert 'recovery = "checkfree"' in text
+    manifest = directory / "manifest.toml"
+    manifest.write_text(text.replace('recovery = "checkfree"', 'recovery = "checkfree+"'))
+    with pipeline_testnet(directory / "tn", stages=4, manifest=manifest) as net:
+        yield net
+
+
+def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
+    return next((p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
+                 and pipeline(p).get("stage") == stage), None)
+
+
+def test_the_first_stage_is_rebuilt_from_its_partner_and_its_neighbours_copy(net):
+    wait_until(lambda: sorted(pipeline(p).get("stage") for p in nodes(net)) == [0, 1, 2, 3]
+               and all(pipeline(p).get("phase") == "training" for p in nodes(net)),
+               180, "one node on each of the 4 stages, training")
+    # stage 1 keeps a copy of stage 0's ends, stage 2 of stage 3's, once trained a little
+    holder = host_of(net, 1)
+    assert holder is not None
+    wait_until(lambda: (pipeline(holder).get("ends_copies") or {}).get("0", 0) >= 10, 180,
+               "stage 1's copy of stage 0's ends, taken at step 10 or later")
+    other = host_of(net, 2)
+    assert other is not None
+    wait_until(lambda: "3" in (pipeline(other).get("ends_copies") or {}), 60,
+               "stage 2's copy of stage 3's ends")
+    tail = host_of(net, 3)
+    assert tail is not None
+    before = pipeline(tail)["training"]
+    killed, new = launcher.kill_stage(net, 0)
+    assert killed and new is not None
+    net = launcher.Testnet.load(Path(net.dir)) or net
+
+    def rebuilt() -> dict | None:
+        p = host_of(net, 0)
+        rec = (pipeline(p).get("recovery") or {}) if p else {}
+        return rec if rec.get("rule") == "copy+ends" else None
+
+    rec = wait_until(rebuilt, 180, "stage 0 rebuilt by CheckFree+ (copy + ends)")
+    # the blocks and the ends both came from stage 1's host (the swap partner, and the
+    # neighbour that kept the copy)
+    # (at_step is the swarm step in the replacement's first view, which may lag the tail's
+    # by a heartbeat or two: mid-run is what matters)
+    assert rec["sources"] == [answer(holder)["peer_id"]] and rec["at_step"] > 0, rec
+    wait_until(lambda: pipeline(tail).get("training", {}).get("step", 0)
+               >= rec["at_step"] + 20, 300, "20 steps through the rebuilt first stage")
+    loss = pipeline(tail)["training"]["loss"]
+    assert loss is not None and math.isfinite(loss) and loss < math.log(256) - 1.0, loss
+    print("last stage's loss before the kill", before.get("loss"), "20 steps after", loss)
