@@ -13,7 +13,7 @@ from rich.console import Console
 
 from testnet.bench import pipeconv as bench
 
-TINY = bench.PipeConfig(replicas=2, steps=24, h=4, eval_every=8, marks=(8, 16, 24), batch=4,
+TINY = bench.PipeConfig(replicas=4, steps=24, h=4, eval_every=8, marks=(8, 16, 24), batch=4,
                         d_model=16, n_layers=2, n_heads=2, context=16, max_bytes=200_000,
                         lr=1e-2, warmup_steps=2, eval_batch=8, eval_batches=2)
 
@@ -28,7 +28,7 @@ def grads(task, routing: str, second_batch_seed: int) -> list[list[dict[str, tor
     torch.manual_seed(0)
     grid = bench.Grid(TINY)
     batches = [task.train_batch(TINY.batch, torch.Generator().manual_seed(s))
-               for s in (1, second_batch_seed)]
+               for s in (1, second_batch_seed, 4, 5)]
     grid.loss(3, batches, routing).backward()
     return [[{n: p.grad.clone() for n, p in st.named_parameters()} for st in row]
             for row in grid.stages]
@@ -54,7 +54,8 @@ def test_fixed_routing_keeps_replicas_apart_and_random_routing_mixes_them(task):
 def test_the_loss_is_each_replicas_mean_summed(task):
     torch.manual_seed(0)
     grid = bench.Grid(TINY)
-    batches = [task.train_batch(TINY.batch, torch.Generator().manual_seed(s)) for s in (1, 2)]
+    batches = [task.train_batch(TINY.batch, torch.Generator().manual_seed(s))
+               for s in (1, 2, 3, 4)]
     expected = 0.0
     with torch.no_grad():
         loss = float(grid.loss(3, batches, "fixed"))
@@ -74,14 +75,24 @@ def results(task) -> dict[tuple[str, str], bench.RunResult]:
     return {(m, r): bench.run_one(m, r, task, TINY) for m, r in bench.RUNS}
 
 
+def test_an_outer_step_copies_into_the_parameters():
+    torch.manual_seed(0)
+    stage = bench.Grid(TINY).stages[0][0]
+    phi = bench._vector(stage) + 1.0
+    bench._load(stage, phi)
+    assert torch.equal(bench._vector(stage), phi)
+    phi.zero_()  # the optimizer's own φ moves on: the model must not move with it
+    assert not torch.equal(bench._vector(stage), phi)
+
+
 def test_outer_steps_and_loss(results):
     for (method, routing), res in results.items():
         assert res.eval_steps == [0, 8, 16, 24], (method, routing)
         assert res.val_mean[-1] < res.val_mean[0] - 0.5, (method, routing)
         assert res.val_min[-1] <= res.val_mean[-1] <= res.val_max[-1]
         assert len(res.spread) == TINY.stages
-    # DiLoCo ends on an outer step: every stage's replicas identical; NoLoCo's pairs (all
-    # of 2 replicas) average, so closer than the uncoupled ones.
+    # DiLoCo ends on an outer step: every stage's replicas identical; NoLoCo's pairs
+    # average, so closer than the uncoupled replicas but not identical.
     for routing in bench.ROUTINGS:
         assert results[("diloco", routing)].spread == [0.0, 0.0]
         nol, none = results[("noloco", routing)].spread, results[("none", routing)].spread

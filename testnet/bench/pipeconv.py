@@ -127,8 +127,15 @@ def _vector(stage: Stage) -> torch.Tensor:
 
 
 def _load(stage: Stage, vector: torch.Tensor) -> None:
+    """Copy `vector` into the stage's parameters. Not torch's vector_to_parameters: that
+    makes each parameter a view of `vector` (an outer optimizer's own φ, and for DiLoCo the
+    one φ every replica gets), so the inner steps would write into φ and the replicas share
+    storage."""
+    offset = 0
     with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(vector, stage.parameters())
+        for p in stage.parameters():
+            p.copy_(vector[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 class Grid:
