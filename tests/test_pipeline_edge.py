@@ -1,6 +1,7 @@
 """CheckFree+ on real node processes: an edge stage whose only host dies is rebuilt by a
-replacement, its blocks copied from its swap partner and its ends (the embedding) from the
-copy its neighbour keeps (docs/pipeline.md, "Recovery rules"); training goes on."""
+replacement, its blocks copied from its swap partner and its ends (the embedding, the
+final norm) from the copy its neighbour keeps (docs/pipeline.md, "Recovery live"); the
+first stage, then the last; training goes on."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
                  and pipeline(p).get("stage") == stage), None)
 
 
-def test_the_first_stage_is_rebuilt_from_its_partner_and_its_neighbours_copy(net):
+def rebuilt(net: launcher.Testnet, stage: int) -> dict | None:
+    p = host_of(net, stage)
+    rec = (pipeline(p).get("recovery") or {}) if p else {}
+    return rec if rec.get("rule") == "copy+ends" else None
+
+
+def test_the_edge_stages_are_rebuilt_from_their_partner_and_their_neighbours_copy(net):
     wait_until(lambda: sorted(pipeline(p).get("stage") for p in nodes(net)) == [0, 1, 2, 3]
                and all(pipeline(p).get("phase") == "training" for p in nodes(net)),
                180, "one node on each of the 4 stages, training")
@@ -53,12 +60,7 @@ def test_the_first_stage_is_rebuilt_from_its_partner_and_its_neighbours_copy(net
     assert killed and new is not None
     net = launcher.Testnet.load(Path(net.dir)) or net
 
-    def rebuilt() -> dict | None:
-        p = host_of(net, 0)
-        rec = (pipeline(p).get("recovery") or {}) if p else {}
-        return rec if rec.get("rule") == "copy+ends" else None
-
-    rec = wait_until(rebuilt, 180, "stage 0 rebuilt by CheckFree+ (copy + ends)")
+    rec = wait_until(lambda: rebuilt(net, 0), 180, "stage 0 rebuilt by CheckFree+ (copy + ends)")
     # the blocks and the ends both came from stage 1's host (the swap partner, and the
     # neighbour that kept the copy)
     # (at_step is the swarm step in the replacement's first view, which may lag the tail's
@@ -69,3 +71,17 @@ def test_the_first_stage_is_rebuilt_from_its_partner_and_its_neighbours_copy(net
     loss = pipeline(tail)["training"]["loss"]
     assert loss is not None and math.isfinite(loss) and loss < math.log(256) - 1.0, loss
     print("last stage's loss before the kill", before.get("loss"), "20 steps after", loss)
+    # The last stage: its blocks from stage 2 (its swap partner), its final norm from
+    # stage 2's copy; the head matrix comes from stage 0 each step, as always.
+    killed, new = launcher.kill_stage(net, 3)
+    assert killed and new is not None
+    net = launcher.Testnet.load(Path(net.dir)) or net
+    rec = wait_until(lambda: rebuilt(net, 3), 180, "stage 3 rebuilt by CheckFree+ (copy + ends)")
+    assert rec["sources"] == [answer(other)["peer_id"]], rec
+    tail = host_of(net, 3)
+    assert tail is not None
+    wait_until(lambda: pipeline(tail).get("training", {}).get("loss") is not None
+               and pipeline(tail)["training"].get("step", 0) >= rec["at_step"] + 10, 300,
+               "10 steps through the rebuilt last stage")
+    loss = pipeline(tail)["training"]["loss"]
+    assert math.isfinite(loss) and loss < math.log(256) - 1.0, loss
