@@ -150,6 +150,14 @@ def checkfree(quick: Quick = False) -> None:
     bench.main(quick=quick)
 
 
+@app.command("kill-stage")
+def kill_stage(quick: Quick = False) -> None:
+    """A pipeline stage killed live: CheckFree, CheckFree+ and a seed restart, timed."""
+    from testnet.bench import killstage as bench
+
+    bench.main(quick=quick)
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
@@ -158,6 +166,7 @@ def run_all(quick: Quick = False) -> None:
     convergence(quick)
     convergence(quick, pipeline=True)
     checkfree(quick)
+    kill_stage(quick)
     robust(quick)
     join(quick)
     pull(quick)
