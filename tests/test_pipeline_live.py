@@ -1,11 +1,13 @@
 """A pipeline run on real node processes (`node testnet up --scenario pipeline`): four
 stages of a small GPT, one node each, placed by themselves; activations and gradients
 over `/peertrain/pipe/1.0.0`; the loss falls; `node kill-stage` of an interior stage is
-recovered by a replacement with CheckFree, and training goes on."""
+recovered by a replacement with CheckFree, and training goes on; a stage host killed and
+started again resumes from its own checkpoint of the stage."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +112,32 @@ def test_kill_stage_of_an_interior_stage_is_rebuilt_by_a_replacement(net):
     loss = pipeline(tail)["training"]["loss"]
     assert loss is not None and math.isfinite(loss) and loss < math.log(256) - 1.0
     assert sorted(s for s in stages_of(net).values() if s is not None) == [0, 1, 2, 3]
+
+
+def test_a_stage_host_started_again_resumes_from_its_own_checkpoint(net):
+    """A crash and a restart: the host comes back with its state directory, takes the
+    stage it left empty and loads its own checkpoint of it (weights and Adam state, at
+    most checkpoint.every_steps old) instead of rebuilding it from its neighbours."""
+    host = next(p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
+                and pipeline(p).get("stage") == 1)
+    saved = wait_until(lambda: pipeline(host).get("checkpoint_step"), 300,
+                       "stage 1's host to write its first checkpoint")
+    killed, _ = launcher.kill_stage(net, 1, replace=False)
+    assert killed == [host.name]
+    back = launcher.restart_node(net, host.name)
+
+    def resumed() -> dict | None:
+        q = pipeline(back)
+        rec = q.get("recovery") or {}
+        return rec if q.get("stage") == 1 and rec.get("rule") == "checkpoint" else None
+
+    try:
+        rec = wait_until(resumed, 180, "stage 1 resumed from its host's own checkpoint")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{pipeline_report(net)}") from None
+    step = re.search(r"checkpoint of step (\d+)", rec["reason"] or "")
+    assert step is not None and int(step.group(1)) >= saved, rec
+    tail = last_stage(net)
+    wait_until(lambda: pipeline(tail).get("training", {}).get("step", 0)
+               >= rec["at_step"] + 10, 300, "10 steps through the resumed stage")
+

@@ -1,6 +1,7 @@
 """The live pipeline: a node hosts one stage of a pipeline run (docs/pipeline.md).
 
 placement.py (which stage, the stage map; pure), links.py (the `/peertrain/pipe/1.0.0`
-stream adapter), worker.py (the stage's loop in the trainer thread), service.py
-(PipelineService: the two together). The stage math itself is node/pipeline/ (pure torch).
+stream adapter), worker.py (the stage's loop in the trainer thread), replicas.py (NoLoCo
+between a stage's hosts), stage_ckpt.py (a host's own checkpoint of its stage), service.py
+(PipelineService: all of them together). The stage math itself is node/pipeline/ (pure torch).
 """

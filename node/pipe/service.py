@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.pipe import placement
+from node.pipe import placement, stage_ckpt
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
 from protocols import manifest as mf
 from protocols import pipeline as pipe
@@ -79,6 +79,7 @@ class PipelineService:
         self._move_to: int | None = None  # a takeover asked by membership
         self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run
         self.weights_served = 0
+        self.checkpointed: int | None = None  # the step of this stage's newest own checkpoint
         # CheckFree+: the ends (embedding, final norm) of a neighbouring edge stage, kept so
         # that a replacement can restore them when that stage loses every host; refreshed
         # every ENDS_EVERY_S (_keep_ends). An EdgeCopies once torch is loaded.
@@ -335,6 +336,7 @@ class PipelineService:
         self.worker = None
         worker = await trio.to_thread.run_sync(self._build_worker, post)
         await self._recover(worker)
+        worker.on_step = self._checkpoint_hook(worker)
         if self.averager is not None:  # φ starts from the weights the stage starts with
             worker.replicas = await trio.to_thread.run_sync(self._replica_rounds, worker, token)
         self.worker = worker
@@ -455,6 +457,19 @@ class PipelineService:
                 await trio.to_thread.run_sync(worker.load_copy, got.tensors)
                 self._recovered("copy", [peer], t0, swarm)
                 return
+        own = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
+        if own.exists():  # this node hosted the stage before (a restart): its own state
+            try:
+                step = await trio.to_thread.run_sync(stage_ckpt.load, own, worker.runner,
+                                                     self.run_id, list(self.layers))
+            except stage_ckpt.StageCheckpointError as e:
+                log.warning("pipeline: this node's checkpoint of stage %d is not usable: %s",
+                            s, e)
+            else:
+                self._recovered("checkpoint", [], t0, swarm,
+                                f"this node's checkpoint of step {step}, "
+                                f"{max(swarm - step, 0)} steps behind the swarm")
+                return
         if p.recovery == "none":
             self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
             return
@@ -489,6 +504,27 @@ class PipelineService:
             return
         rule = how.rule if ends is None else "ends" if how.rule == "none" else f"{how.rule}+ends"
         self._recovered(rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+
+    def _checkpoint_hook(self, worker: Any) -> Any:
+        """The worker's on_step: the stage's own checkpoint every checkpoint.every_steps
+        steps (trainer thread). A failed write (a full disk) is logged; training goes on."""
+        ctx, s = self._ctx, self.stage
+        assert ctx is not None and s is not None
+        every = self.m.checkpoint.every_steps
+        path = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
+
+        def on_step(step: int) -> None:
+            if step <= 0 or step % every:
+                return
+            try:
+                stage_ckpt.save(path, worker.runner, self.run_id, list(self.layers), step)
+            except OSError as e:
+                log.warning("pipeline: stage %d's checkpoint at step %d not written: %s",
+                            s, step, e)
+                return
+            self.checkpointed = step
+
+        return on_step
 
     def _edge_neighbour(self, edge: int) -> int:
         return 1 if edge == 0 else self.n - 2
@@ -738,6 +774,7 @@ class PipelineService:
                          if self.worker is not None and self.worker.replicas is not None
                          else None),
             "weights_served": self.weights_served,
+            "checkpoint_step": self.checkpointed,
             "ends_copies": ({str(k): step for k, step in self.ends_copies.refreshed_at.items()}
                             if self.ends_copies is not None else {}),
             "outbox": self.outbox.statistics() if self.outbox else {},

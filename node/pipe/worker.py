@@ -94,6 +94,9 @@ class StageWorker:
         # a recovering neighbour (`snapshot`, from another thread) is one step's weights.
         self.lock = threading.Lock()
         self.replicas: Any = None  # ReplicaRounds, set once the stage is recovered
+        # Called with the new step after each step, under the lock (the service writes the
+        # stage's checkpoint every checkpoint.every_steps steps).
+        self.on_step: Callable[[int], None] | None = None
 
     # -- recovery (called from other threads before run(), or while it runs) ------------
 
@@ -153,10 +156,14 @@ class StageWorker:
         self.progress.compute_s += time.monotonic() - t0
 
     def _after_step(self, step: int) -> None:
-        """The replicas' outer round (replicas.py), under the lock weights are served by."""
-        if self.replicas is not None:
+        """The replicas' outer round (replicas.py) and the checkpoint, under the lock
+        weights are served by."""
+        if self.replicas is not None or self.on_step is not None:
             with self.lock:
-                self.replicas.after_step(step)
+                if self.replicas is not None:
+                    self.replicas.after_step(step)
+                if self.on_step is not None:
+                    self.on_step(step)
 
     def _lost(self, why: str, n: int = 1) -> None:
         self.stats.dropped += n
