@@ -213,8 +213,8 @@ class Node:
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
         if config.train and manifest.pipeline is not None:
-            # A stage host pulls no checkpoint (none is written for stages yet): torch can
-            # load now, beside the stage choice.
+            # A stage host pulls no checkpoint (its own stage checkpoint stays on its disk:
+            # node/pipe/stage_ckpt.py): torch can load now, beside the stage choice.
             preload.start()
         elif config.train:
             from node.checkpoints.service import CheckpointService
