@@ -76,3 +76,15 @@ def test_a_damaged_checkpoint_is_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(stage_ckpt.StageCheckpointError, match="unreadable"):
         stage_ckpt.load(path, runner(), RUN, LAYERS)
+
+
+def test_a_checkpoint_older_than_asked_is_refused(tmp_path):
+    path = stage_ckpt.path_for(tmp_path, RUN, 1)
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10)
+    r = runner()
+    before = {k: v.clone() for k, v in r.stage.state_dict().items()}
+    with pytest.raises(stage_ckpt.StageCheckpointError, match="older than step 11"):
+        stage_ckpt.load(path, r, RUN, LAYERS, min_step=11)
+    assert all(torch.equal(before[k], v) for k, v in r.stage.state_dict().items())
+    assert stage_ckpt.load(path, r, RUN, LAYERS, min_step=10) == 10
+

@@ -46,6 +46,7 @@ FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before c
 JOIN_TIMEOUT_S = 30.0
 FETCH_TRIES = 3
 FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
+STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
 
 
@@ -460,10 +461,12 @@ class PipelineService:
         own = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
         if own.exists():  # this node hosted the stage before (a restart): its own state
             try:
+                # an old one (a host back after days): the neighbours' weights are fresher
+                oldest = swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps
                 step = await trio.to_thread.run_sync(stage_ckpt.load, own, worker.runner,
-                                                     self.run_id, list(self.layers))
+                                                     self.run_id, list(self.layers), oldest)
             except stage_ckpt.StageCheckpointError as e:
-                log.warning("pipeline: this node's checkpoint of stage %d is not usable: %s",
+                log.warning("pipeline: this node's checkpoint of stage %d is not used: %s",
                             s, e)
             else:
                 self._recovered("checkpoint", [], t0, swarm,

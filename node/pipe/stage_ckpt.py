@@ -10,14 +10,11 @@ it never travels, so it is not content-addressed. Runs in the trainer thread.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from node.files import atomic_write
 from node.training.state import from_tensors, to_tensors
-
-log = logging.getLogger("node.pipeline")
 
 FORMAT = 1
 
@@ -41,9 +38,10 @@ def save(path: Path, runner: Any, run_id: str, layers: list[int], step: int) -> 
     atomic_write(path, to_bytes(to_tensors(state)))
 
 
-def load(path: Path, runner: Any, run_id: str, layers: list[int]) -> int:
+def load(path: Path, runner: Any, run_id: str, layers: list[int], min_step: int = 0) -> int:
     """Restore `runner`'s stage and optimizer from `path`; the step it was written at.
-    StageCheckpointError (nothing changed) when it is not this run's stage and layout."""
+    StageCheckpointError (nothing changed) when it is not this run's stage and layout, or
+    older than `min_step`."""
     from safetensors.torch import load as from_bytes
 
     try:
@@ -59,6 +57,8 @@ def load(path: Path, runner: Any, run_id: str, layers: list[int]) -> int:
     step = state.get("step")
     if not isinstance(scale, float) or not isinstance(step, int) or step < 0:
         raise StageCheckpointError(f"{path.name}: bad step {step!r} or lr_scale {scale!r}")
+    if step < min_step:
+        raise StageCheckpointError(f"{path.name}: step {step}, older than step {min_step}")
     before, old_scale = {k: v.clone() for k, v in stage.state_dict().items()}, runner.cfg.lr_scale
     try:
         stage.load_state_dict(state["model"], strict=True)
