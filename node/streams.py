@@ -9,6 +9,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 
+from p2p.gate import discard_unread
 from protocols.errors import RemoteProtocolError
 from protocols.wire import NEED_DATA, Envelope, FrameDecoder, TensorFrame
 
@@ -90,9 +91,12 @@ async def write_chunks(stream: Any, chunks: Iterable[bytes | memoryview],
 
 async def close_quietly(stream: Any) -> None:
     """Close a stream whose exchange is over (or failed), within 2 s and without raising:
-    the peer may be gone already, and the caller has its answer or its error."""
+    the peer may be gone already, and the caller has its answer or its error. What it sent
+    that we did not read is dropped (p2p.gate.discard_unread: else it counts against the
+    peer's budget for a minute)."""
     try:
         with trio.move_on_after(2):
             await stream.close()
     except Exception:
         pass
+    discard_unread(stream)

@@ -288,6 +288,27 @@ def remote_peer(stream: INetStream) -> str:
 async def _reset(stream: INetStream) -> None:
     with trio.move_on_after(1), contextlib.suppress(Exception):
         await stream.reset()
+    discard_unread(stream)
+
+
+def discard_unread(stream: Any) -> int:
+    """Drop the bytes the muxer buffered for `stream` that nobody will read (a refused,
+    reset or finished stream); how many. py-libp2p's Yamux keeps a closed or reset stream's
+    unread bytes for 60 s, and they count in the sender's `bytes_per_peer`: our own
+    refusals kept a peer over its budget, each new stream of it was refused in turn (its
+    bytes kept too) and the peer was banned (the SybilWall swarm test: an honest node's
+    history gossip to a sybil that does not read it). Call it only once the stream is done."""
+    muxed = getattr(stream, "muxed_stream", None)
+    buffers = getattr(getattr(stream, "muxed_conn", None), "stream_buffers", None)
+    sid = getattr(muxed, "stream_id", None)
+    if not isinstance(buffers, dict) or sid is None:
+        return 0
+    buf = buffers.get(sid)
+    if not isinstance(buf, bytearray):
+        return 0
+    n = len(buf)
+    buf.clear()  # the entry itself is Yamux's to drop, on its next sweep
+    return n
 
 
 def _held(conn: INetConn) -> int:

@@ -139,3 +139,39 @@ async def test_garbage_on_gossipsub_ends_that_stream_not_the_host():
             assert node.stats.restarts == 0
             assert other.peer_id in node.connected_peers()
             nursery.cancel_scope.cancel()
+
+
+async def test_bytes_of_streams_we_refused_are_dropped_not_held_against_the_sender():
+    """py-libp2p's Yamux keeps a closed or reset stream's unread bytes for 60 s, and they
+    count in the sender's bytes_per_peer. A handler that refuses without reading (history
+    gossip at a node that does not run SybilWall) kept an honest sender over its budget,
+    so its next streams were refused and it was banned (a CI run of the SybilWall swarm
+    test). Streams closed through node.streams.close_quietly drop what was not read."""
+    from node.streams import close_quietly
+
+    node = Substrate(create_new_key_pair(), [LOOPBACK],
+                     gate=Gate(BudgetLimits(bytes_per_peer=300_000)))
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    refused = 0
+
+    async def refuse_unread(stream) -> None:
+        nonlocal refused
+        await trio.sleep(0.2)  # the sender's bytes are in by now (one window)
+        await close_quietly(stream)
+        refused += 1
+
+    node.set_handler("/test/refuse/1", refuse_unread)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            for i in range(5):  # 5 x 200 KB, past the 300 KB budget if they were kept
+                stream = await _open(other, peer, "/test/refuse/1")
+                assert stream is not None, f"stream {i} refused"
+                with trio.move_on_after(5):
+                    await stream.write(b"x" * 200_000)
+                await await_until(lambda i=i: refused > i, 10, f"stream {i} refused unread")
+            assert node.gate.budget.refused["bytes_per_peer"] == 0
+            assert node.gate.misbehaviour["over_budget"] == 0
+            nursery.cancel_scope.cancel()

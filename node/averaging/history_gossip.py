@@ -30,6 +30,7 @@ from libp2p.peer.id import ID
 
 from node.aggregate.history import HistoryEntry
 from node.service import NodeContext
+from node.streams import close_quietly
 from protocols import history as hp
 from protocols.errors import ProtocolError
 
@@ -123,7 +124,7 @@ class HistoryGossip:
         except (ProtocolError, trio.TooSlowError) as e:
             self._refuse(sender, str(e))
         finally:
-            await stream.close()
+            await close_quietly(stream)  # what we did not read is dropped, not kept a minute
 
     def _receive(self, sender: str, data: bytes) -> None:
         table = self._table()
