@@ -41,6 +41,7 @@ from testnet.churn import ChurnConfig, Kill, kill_schedule
 
 STATE_FILE = "testnet.json"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+EXIT_WAIT_S = 10.0  # restart_node: how long a just-killed node may take to be gone
 
 
 class TestnetError(Exception):
@@ -480,9 +481,14 @@ def kill_node(net: Testnet, name: str, sig: int = signal.SIGKILL) -> Proc:
 
 
 def restart_node(net: Testnet, name: str) -> Proc:
-    """Start a (killed) node again with its same state directory: same identity."""
+    """Start a (killed) node again with its same state directory: same identity. A node
+    SIGKILLed a moment ago gets up to EXIT_WAIT_S to be gone (the signal is asynchronous:
+    `kill-stage` then a restart raced it)."""
     for i, p in enumerate(net.procs):
         if p.name == name:
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while alive(p.pid, p.state_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if alive(p.pid, p.state_dir):
                 raise TestnetError(f"{name} is still running")
             (Path(p.state_dir) / "addrs.json").unlink(missing_ok=True)
