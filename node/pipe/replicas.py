@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from node.optim import NoLoCo, NoLoCoConfig
-from node.pipeline.stages import own_parameters
+from node.pipeline.stages import copy_vector_into, own_parameters
 from node.training.rounds import Outcome
 
 
@@ -50,8 +50,7 @@ class ReplicaRounds:
         return parameters_to_vector([p.detach() for p in self.params]).float().cpu()
 
     def _set(self, vec: torch.Tensor) -> None:
-        first = self.params[0]
-        vector_to_parameters(vec.to(first.device, first.dtype), self.params)
+        copy_vector_into(self.params, vec)
 
     def deliver(self, outcome: Outcome) -> None:
         self.outcomes.put(outcome)

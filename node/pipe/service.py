@@ -447,17 +447,13 @@ class PipelineService:
         smap = self.stage_map()
         stage = worker.runner.stage
         replicas = [q for q in smap[s] if q != ctx.peer_id]
-        if replicas:
-            shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
-            for peer in replicas:
-                try:
-                    got = await self._fetch(peer, s, "all", shapes)
-                except Exception as e:
-                    log.warning("pipeline: copying stage %d from %s failed: %s", s, peer, e)
-                    continue
-                await trio.to_thread.run_sync(worker.load_copy, got.tensors)
-                self._recovered("copy", [peer], t0, swarm)
-                return
+        shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
+        copied = await self._fetch_first(replicas, s, "all", shapes)
+        if copied is not None:
+            peer, tensors = copied
+            await trio.to_thread.run_sync(worker.load_copy, tensors)
+            self._recovered("copy", [peer], t0, swarm)
+            return
         own = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
         if own.exists():  # this node hosted the stage before (a restart): its own state
             try:
@@ -545,15 +541,25 @@ class PipelineService:
             return ctx.peer_id, self.ends_copies.get(s)
         shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.ends_state().items()}
         holders = smap[self._edge_neighbour(s)]
-        for peer in holders:
+        got = await self._fetch_first(holders, s, "ends", shapes)
+        if got is None:
+            raise RecoveryError(f"no neighbour holds a copy of stage {s}'s ends "
+                                f"(asked {len(holders)})")
+        return got
+
+    async def _fetch_first(self, peers: list[str], stage: int, part: str,
+                           shapes: dict[str, tuple[int, ...]]
+                           ) -> tuple[str, dict[str, Any]] | None:
+        """(peer, tensors) from the first of `peers` that answers with `part` of `stage`;
+        None when none does (each failure logged)."""
+        for peer in peers:
             try:
-                got = await self._fetch(peer, s, "ends", shapes)
+                got = await self._fetch(peer, stage, part, shapes)
             except Exception as e:
-                log.warning("pipeline: the copy of stage %d's ends at %s: %s", s, peer, e)
+                log.warning("pipeline: %s of stage %d from %s failed: %s", part, stage, peer, e)
                 continue
             return peer, got.tensors
-        raise RecoveryError(f"no neighbour holds a copy of stage {s}'s ends "
-                            f"(asked {len(holders)})")
+        return None
 
     async def _keep_ends(self) -> None:
         """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
@@ -561,6 +567,7 @@ class PipelineService:
         from node.recovery import EdgeCopies
 
         self.ends_copies = EdgeCopies()
+        shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # per edge, built once
         while True:
             await trio.sleep(ENDS_EVERY_S)
             if not self.training or self.worker is None or self.stage is None:
@@ -572,8 +579,9 @@ class PipelineService:
                 if not hosts:
                     continue  # lost: keep the copy we have, a replacement will ask for it
                 try:
-                    shapes = await trio.to_thread.run_sync(self._ends_shapes, edge)
-                    got = await self._fetch(hosts[0], edge, "ends", shapes)
+                    if edge not in shapes:
+                        shapes[edge] = await trio.to_thread.run_sync(self._ends_shapes, edge)
+                    got = await self._fetch(hosts[0], edge, "ends", shapes[edge])
                 except Exception as e:
                     log.info("pipeline: refreshing the copy of stage %d's ends: %s", edge, e)
                     continue

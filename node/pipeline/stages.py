@@ -194,3 +194,18 @@ def init_blocks_state(config: GPTConfig, n_blocks: int, generator: torch.Generat
 def own_parameters(stage: Stage) -> list[nn.Parameter]:
     """The parameters this stage's optimizer updates (never the borrowed head matrix)."""
     return list(stage.parameters())
+
+
+def copy_vector_into(params: list[nn.Parameter], vector: torch.Tensor) -> None:
+    """Copy a flat vector (parameters_to_vector's layout) into `params`, onto their device
+    and dtype. Not torch's vector_to_parameters: that makes each parameter a *view* of
+    `vector`, so an outer optimizer's φ handed in would move with every inner step."""
+    if vector.numel() != sum(p.numel() for p in params):
+        raise ValueError(f"a vector of {vector.numel()} values for "
+                         f"{sum(p.numel() for p in params)} parameters")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(vector[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+

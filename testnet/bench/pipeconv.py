@@ -35,6 +35,7 @@ from rich.console import Console
 from node.optim import DiLoCo, NoLoCo, noloco_groups
 from node.pipeline import Stage, build_stages, path
 from node.pipeline.runner import clip_and_norm
+from node.pipeline.stages import copy_vector_into
 from node.trainer import TaskConfig, TrainConfig, build_task
 from node.trainer.loop import lr_at
 from node.trainer.models import GPTConfig
@@ -127,15 +128,7 @@ def _vector(stage: Stage) -> torch.Tensor:
 
 
 def _load(stage: Stage, vector: torch.Tensor) -> None:
-    """Copy `vector` into the stage's parameters. Not torch's vector_to_parameters: that
-    makes each parameter a view of `vector` (an outer optimizer's own φ, and for DiLoCo the
-    one φ every replica gets), so the inner steps would write into φ and the replicas share
-    storage."""
-    offset = 0
-    with torch.no_grad():
-        for p in stage.parameters():
-            p.copy_(vector[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+    copy_vector_into(list(stage.parameters()), vector)
 
 
 class Grid:
