@@ -98,3 +98,60 @@ async def test_a_lookup_beside_the_pull_is_not_waited_for_and_its_providers_are_
         assert second.chunks_by_peer == {has.to_base58(): 2} and second.asked == 2
         assert torch.equal(target.load(cid)[1]["w"], weights["w"])
         nursery.cancel_scope.cancel()
+
+
+async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_path: Path):
+    """Retention on the writer can drop the checkpoint a joiner is pulling (a small model
+    checkpointing every second on a loaded machine): the joiner takes the newer one the run
+    document lists by then, instead of training from scratch. A checkpoint that stays the
+    newest and unserved is tried once."""
+    from types import SimpleNamespace
+
+    from node.checkpoints.service import CheckpointService
+    from node.service import Phases
+    from protocols import keys, rundoc
+
+    kp = create_new_key_pair()
+    writer = keys.Signer(kp.private_key.to_bytes()[:32])
+    held = CheckpointStore(tmp_path / "writer")
+    newer = held.save(RUN, 20, {"w": torch.randn(1000)})
+    gone = "QmTfNwBtXU2GLyWAnYf3Sv7XjEUGArFL3QjRoW2rMunVhh"  # listed, no longer held
+    holder, me = Substrate(kp, [LOOPBACK]), Substrate(create_new_key_pair(), [LOOPBACK])
+    server = ckpt_sync.CheckpointServer(held)
+    doc = rundoc.RunDocument(RUN, writer, [])
+    doc.set(rundoc.ckpt_key(writer.peer_id, gone), {"hash": gone, "step": 10, "size": 1}, 1)
+
+    async def serve(stream):  # the writer checkpoints again while we ask for the old one
+        if rundoc.checkpoint_index(doc)[-1][1] != newer:
+            doc.set(rundoc.ckpt_key(writer.peer_id, newer),
+                    {"hash": newer, "step": 20, "size": 1}, 2)
+        await server.handle(stream)
+
+    holder.set_handler(cx.PROTOCOL_ID, serve)
+    synced = trio.Event()
+    synced.set()
+    service = CheckpointService(publish=lambda delta: None, synced=synced)
+    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
+                          phases=Phases(), substrate=me,
+                          checkpoints=CheckpointStore(tmp_path / "me"))
+    async with trio.open_nursery() as nursery:
+        for s in (holder, me):
+            await nursery.start(s.serve)
+        await me.connect(holder.addrs()[0])
+        with trio.fail_after(30):
+            assert await service._pull_newest(ctx) == newer
+        assert service.download["served_by"] == 1 and service.download["step"] == 20
+        assert torch.equal(ctx.checkpoints.load(newer)[1]["w"], held.load(newer)[1]["w"])
+        # Nothing newer is listed after a failure: one try, then from scratch.
+        doc.set(rundoc.ckpt_key(writer.peer_id, gone), {"hash": gone, "step": 30, "size": 1}, 3)
+        tries = []
+
+        async def count(stream):
+            tries.append(stream)
+            await server.handle(stream)
+
+        holder.set_handler(cx.PROTOCOL_ID, count)
+        with trio.fail_after(30):
+            assert await service._pull_newest(ctx) is None
+        assert len(tries) == 1
+        nursery.cancel_scope.cancel()

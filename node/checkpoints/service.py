@@ -33,6 +33,7 @@ PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint
 SYNC_WAIT_S = 5.0  # joining: how long to wait for a first run-document sync (a first node
 # has nobody to sync with)
 SYNC_WAIT_LOADING_S = 30.0  # ... and while torch still loads (the wait then costs nothing)
+PULL_TRIES = 3  # joining: checkpoints tried, newest first, before training from scratch
 
 
 def ckpt_provider_key(cid: str) -> str:
@@ -93,13 +94,30 @@ class CheckpointService:
             while not self._synced.is_set() and self._still_loading():
                 with trio.move_on_after(0.1):
                     await self._synced.wait()
-        entries = checkpoint_index(run.document)
-        if not entries:
+        if not checkpoint_index(run.document):
             return None
-        step, cid, writer = entries[-1]
+        ctx.phases.enter("finding providers")
+        self._load_torch()
+        tried: list[str] = []
+        while len(tried) < PULL_TRIES:
+            entries = checkpoint_index(run.document)
+            if not entries or entries[-1][1] in tried:
+                break
+            step, cid, writer = entries[-1]
+            tried.append(cid)
+            if await self._pull(ctx, step, cid, writer):
+                return cid
+            # Its holders may have dropped it while we pulled (retention keeps the newest
+            # `checkpoint.keep`: seconds of a small fast model on a loaded machine, CI of
+            # 2026-11-26): the run document then lists a newer one, and that one is taken.
+        log.warning("no checkpoint fetched (tried %s); starting from scratch", ", ".join(tried))
+        return None
+
+    async def _pull(self, ctx: NodeContext, step: int, cid: str, writer: str) -> bool:
+        """Checkpoint `cid` pulled from its writer, our connected peers and the DHT's
+        providers of it; False (logged) if none of them served it."""
         dht = ctx.substrate.dht
         assert dht is not None
-        ctx.phases.enter("finding providers")
         # The writer and our connected peers are asked at once; the DHT's providers (a
         # joiner that pulled it before us, not connected to us) join the pull when the
         # lookup returns. Waiting for the lookup first cost its whole deadline (3 s) in
@@ -114,7 +132,6 @@ class CheckpointService:
             return [p.peer_id for p in found if p.peer_id != ctx.substrate.peer_id]
 
         ctx.phases.enter("downloading checkpoint")
-        self._load_torch()
         download = self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
                                     "providers": len(providers)}
 
@@ -125,14 +142,14 @@ class CheckpointService:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
                                          progress=progress, more_providers=dht_providers)
         except NodeError as e:
-            log.warning("could not fetch checkpoint %s (%s); starting from scratch", cid, e)
-            return None
+            log.warning("could not fetch checkpoint %s (%s)", cid, e)
+            return False
         # asked != served: in a NoLoCo swarm each node's checkpoint is its own
         download["served_by"] = len(pulled.bytes_by_peer)
         download["providers"] = pulled.asked
         log.info("fetched checkpoint %s (step %d) from %d of %d providers asked", cid, step,
                  len(pulled.bytes_by_peer), pulled.asked)
-        return cid
+        return True
 
     async def save(self, snapshot: Any) -> None:
         """Write a trainer snapshot (in a worker thread), keep the newest few, announce it.
