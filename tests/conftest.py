@@ -182,6 +182,50 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _zygote.wait(timeout=10)
 
 
+LOG_DIGEST_LINES = 12  # per node: its last warnings and errors, then its last lines
+
+
+def node_log_digest(root: Path) -> str:
+    """The tail of every node.log under `root`, warnings first: what a failing CI run
+    leaves to read once its temporary directories are gone."""
+    out = []
+    for log in sorted(root.rglob("node.log"))[:12]:
+        lines = log.read_text(errors="replace").splitlines()
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        loud = [r for r in records if r.get("level") in ("warning", "error", "critical")]
+        picked = loud[-LOG_DIGEST_LINES // 2:] + records[-LOG_DIGEST_LINES // 2:]
+        start = records[0].get("ts", 0) if records else 0
+        out.append(f"== {log.parent.relative_to(root)} ({len(records)} lines, "
+                   f"{len(loud)} warnings or errors)")
+        seen = set()
+        for r in sorted(picked, key=lambda r: r.get("ts", 0)):
+            key = (r.get("ts"), r.get("msg"))
+            if key not in seen:
+                seen.add(key)
+                out.append(f"  +{r.get('ts', 0) - start:7.1f}s {r.get('level', '?'):7} "
+                           f"{r.get('logger', '')}: {str(r.get('msg', ''))[:240]}")
+    return "\n".join(out)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A failing test of node processes reports the tail of their logs (tests that keep
+    their nodes under `tmp_path`: the testnet factory's), before teardown removes them."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and isinstance(tmp, Path) and tmp.exists():
+        with contextlib.suppress(OSError):
+            digest = node_log_digest(tmp)
+            if digest:
+                report.sections.append(("node logs", digest))
+    return report
+
+
 @pytest.fixture
 def testnet_factory(tmp_path: Path) -> Iterator[Callable[..., launcher.Testnet]]:
     """Start testnets under tmp_path; every one is torn down after the test."""
