@@ -3,15 +3,19 @@
 One stream per (sender, receiver) pair carries a sequence of messages, each a wire
 envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
 
-    pipe.act   {run, stage, step, mb, shape, dtype}   then tensor frame "x"
-    pipe.grad  {run, stage, step, mb, shape, dtype}   then tensor frame "g"
+    pipe.act   {run, stage, step, mb, shape, dtype[, hop]}   then tensor frame "x"
+    pipe.grad  {run, stage, step, mb, shape, dtype[, hop]}   then tensor frame "g"
     pipe.tgt   (first -> last stage) a micro-batch's target token ids, int64 [b, seq, 1]
     pipe.tgrad (last -> first) the tied head's gradient, [1, vocab, d_model], mb 0
     pipe.tied  (first -> last) the updated tied matrix for `step`, [1, vocab, d_model]
 
-`stage` is the stage the tensor is *for* (the receiver's): activations come from stage - 1,
-gradients from stage + 1. `step` and `mb` (micro-batch) name the micro-batch, so the
-receiver files it and the backward pass finds its saved activations. On the wire every
+`stage` is the stage the tensor is *for* (the receiver's). `hop` is the micro-batch's visit
+it is for (node/pipeline/schedule.py `hops`): activations come from hop - 1, gradients from
+hop + 1. Absent, it is `stage`: in stage order (no CheckFree+ swap) hop h is stage h, and
+activations come from stage - 1, gradients from stage + 1. With the swap a first or last
+stage is visited twice per odd micro-batch, and the hop says which visit. `step` and `mb`
+(micro-batch) name the micro-batch, so the receiver files it and the backward pass finds
+its saved activations. On the wire every
 tensor is bfloat16 (half fp32's bytes; seq x d_model x 2 B per sequence and boundary, spec
 §1e), codec "raw", shape (batch, seq, d_model).
 
@@ -71,6 +75,7 @@ _NAMES: Final = {"act": "x", "grad": "g", "tgt": "y", "tgrad": "tg", "tied": "w"
 TARGET_DTYPE: Final = "int64"
 ALL_KINDS: Final = frozenset(_TYPES)
 _BODY_KEYS: Final = frozenset({"run", "stage", "step", "mb", "shape", "dtype"})
+MAX_HOPS: Final = 2 * 256  # each of at most 256 stages visited at most twice
 
 #: The ceilings of a pipe stream; a receiver narrows the tensor bound to its Expect.
 LIMITS: Final = StreamLimits(
@@ -130,6 +135,7 @@ class MessageHeader:
     step: int
     mb: int
     shape: tuple[int, int, int]
+    hop: int  # the visit it is for; `stage` where the sender gave none
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +160,8 @@ class Refused:
 Event = TensorReceived | Refused
 
 
-def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor
-           ) -> list[bytes | memoryview]:
+def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor,
+           hop: int | None = None) -> list[bytes | memoryview]:
     """The gather list for one message: the tensor is cast to bfloat16 (a copy) first;
     targets ("tgt": token ids (batch, seq)) travel as int64 (batch, seq, 1), the tied
     matrix and its gradient (vocab, d_model) as (1, vocab, d_model)."""
@@ -174,6 +180,8 @@ def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.T
     dtype, shape, view = tensor_payload(wire)
     body = {"run": run, "stage": stage, "step": step, "mb": mb, "shape": list(shape),
             "dtype": dtype}
+    if hop is not None and hop != stage:
+        body["hop"] = hop
     problem = _body_problem(body)
     if problem:
         raise LocalProtocolError(problem)
@@ -245,7 +253,8 @@ class PipeReceiver:
         if env.id != body["mb"]:
             raise RemoteProtocolError(f"envelope id {env.id} is not the micro-batch {body['mb']}")
         self._pending = MessageHeader(kind, body["run"], body["stage"], body["step"],
-                                      body["mb"], tuple(body["shape"]))  # type: ignore[arg-type]
+                                      body["mb"], tuple(body["shape"]),  # type: ignore[arg-type]
+                                      body.get("hop", body["stage"]))
         self.state = State.TENSOR
 
     def _expect_problem(self, kind: str, body: dict[str, Any]) -> str | None:
@@ -331,14 +340,16 @@ def _dtype(kind: str) -> str:
 
 def _body_problem(body: Any) -> str | None:
     """Types and ranges of an envelope body, before anything is looked up by it."""
-    if not isinstance(body, dict) or set(body) != _BODY_KEYS:
+    if not isinstance(body, dict) or set(body) - {"hop"} != _BODY_KEYS:
         keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
-        return f"pipe body must have exactly {sorted(_BODY_KEYS)}, got {_short(keys)}"
+        return (f"pipe body must have exactly {sorted(_BODY_KEYS)} (and maybe hop), "
+                f"got {_short(keys)}")
     run = body["run"]
     if type(run) is not str or not 1 <= len(run) <= RUN_ID_MAX:
         return f"run must be a run-id string, got {_short(run)}"
-    for name, high in (("stage", 256), ("step", MAX_STEP), ("mb", MAX_MICRO_BATCHES)):
-        v = body[name]
+    for name, high in (("stage", 256), ("step", MAX_STEP), ("mb", MAX_MICRO_BATCHES),
+                       ("hop", MAX_HOPS)):
+        v = body.get(name, 0)
         if type(v) is not int or not 0 <= v < high:
             return f"{name} must be an int in [0, {high}), got {_short(v)}"
     shape = body["shape"]

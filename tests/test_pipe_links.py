@@ -41,8 +41,8 @@ class FakeStream:
 
 def claims(hosts: dict[str, int], stage: int = 2):
     """claim() as the service computes it, from a fixed stage map."""
-    def claim(peer: str, kind: str, to: int) -> str | None:
-        sender = {"act": stage - 1, "grad": stage + 1}.get(kind, -1)
+    def claim(peer: str, h: pipe.MessageHeader) -> str | None:
+        sender = {"act": stage - 1, "grad": stage + 1}.get(h.kind, -1)
         return None if hosts.get(peer) == sender else f"{peer} does not host stage {sender}"
     return claim
 
@@ -152,9 +152,10 @@ async def test_a_dead_next_peer_loses_its_micro_batches_at_once():
 # -- stage workers wired to each other, in threads -----------------------------------------
 
 def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: int | None = None,
-                  steps: int = 30):
+                  steps: int = 30, swap: bool = False):
     """`stages` workers, one thread each; `post` hands a message straight to the receiving
-    worker's inbox (stage `dead`, if given, never answers: its messages are lost)."""
+    worker's inbox (stage `dead`, if given, never answers: its messages are lost).
+    `swap`: CheckFree+'s execution order (odd micro-batches visit the edge stages twice)."""
     from node.pipeline.runner import StageOptim, StageRunner
     from node.pipeline.stages import build_stages
     from node.trainer.models import GPTConfig
@@ -177,25 +178,28 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
 
     progress = [Progress() for _ in range(stages)]
     workers: list[StageWorker] = []
+    sent: list[tuple] = []  # (from, kind, to, mb, hop) of every message
 
     def post_from(src: int):
-        def post(to, kind, stage, step, mb, tensor):
-            dest = {"next": src + 1, "last": stages - 1, "peer": to[1] if to[0] == "peer" else 0,
-                    "stage": to[1] if to[0] == "stage" else 0}[to[0]]
+        def post(to, kind, stage, step, mb, hop, tensor):
+            sent.append((src, kind, stage, mb, hop))
+            dest = stage  # one host per stage: the receiver's stage names it
             if to[0] == "peer":
-                dest = int(to[1])
+                assert int(to[1]) == stage  # gradients go back to whoever sent the input
             if dest == dead:
                 if kind in ("act", "tgt"):
                     inboxes[src].offer(Lost(kind, step, mb, f"stage {dead} is dead"))
                 return
-            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src)))
+            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src), hop))
         return post
 
     for s in range(stages):
         runner = StageRunner(built[s], StageOptim(lr=3e-3), max_in_flight=8)
         workers.append(StageWorker(runner, stages, micro_batches, inboxes[s], post_from(s),
                                    stop, progress=progress[s],
-                                   batches=batches if s == 0 else None, first_wait_s=10.0))
+                                   batches=batches if s == 0 else None, first_wait_s=10.0,
+                                   layers=[1] * stages, swap=swap))
+    wire_pipeline.sent = sent
     return workers, progress, stop
 
 
@@ -235,6 +239,30 @@ def test_stage_workers_train_a_gpt_across_four_stages_and_its_loss_falls():
                                    torch.bfloat16).float(), atol=0.02, rtol=0.02)
 
 
+def test_with_checkfree_plus_odd_micro_batches_visit_the_edge_stages_in_swapped_order():
+    """CheckFree+ live: micro-batch 1 goes embedding (0) -> blocks of 1, 0, 3, 2 -> head (3)
+    and its gradients back the same way; the loss still falls and every stage steps."""
+    workers, progress, stop = wire_pipeline(4, swap=True)
+    losses: list[float] = []
+
+    def done():
+        loss = progress[-1].loss
+        if loss is not None and (not losses or losses[-1] != loss):
+            losses.append(loss)
+        return progress[0].step >= 40
+    run_until(workers, stop, done)
+    assert losses[-1] < losses[0] - 0.5, losses
+    acts = {(src, to, hop) for src, kind, to, mb, hop in wire_pipeline.sent
+            if kind == "act" and mb == 1}
+    assert acts == {(0, 1, 1), (1, 0, 2), (0, 3, 3), (3, 2, 4), (2, 3, 5)}
+    grads = {(src, to, hop) for src, kind, to, mb, hop in wire_pipeline.sent
+             if kind == "grad" and mb == 1}
+    assert grads == {(3, 2, 4), (2, 3, 3), (3, 0, 2), (0, 1, 1), (1, 0, 0)}
+    assert {(src, to) for src, kind, to, mb, _ in wire_pipeline.sent
+            if kind == "act" and mb == 0} == {(0, 1), (1, 2), (2, 3)}
+    assert all(w.stats.steps >= 30 for w in workers[1:])
+
+
 def test_a_dead_stage_costs_micro_batches_never_a_stall():
     workers, progress, stop = wire_pipeline(3, dead=1)
     run_until(workers, stop, lambda: progress[0].step >= 3)
@@ -248,10 +276,10 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     workers, progress, stop = wire_pipeline(3)
     post = workers[2].post
 
-    def corrupt(to, kind, stage, step, mb, tensor):
+    def corrupt(to, kind, stage, step, mb, hop, tensor):
         if kind == "grad" and mb == 0:
             tensor = tensor[:1]
-        post(to, kind, stage, step, mb, tensor)
+        post(to, kind, stage, step, mb, hop, tensor)
     workers[2].post = corrupt
     run_until(workers, stop, lambda: progress[0].step >= 3)
     assert workers[1].stats.dropped >= 3 and "refused" in workers[1].stats.last_reason

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from node.pipe import placement as pl
 from node.pipeline import schedule
+from tests.conftest import REPO
 
 
 def test_a_joiner_takes_the_stage_with_the_fewest_live_hosts_lowest_on_ties():
@@ -48,22 +52,30 @@ def test_once_training_a_node_moves_only_to_a_stage_left_without_host():
 
 
 def test_routing_without_torch_is_the_schedule_s_routing():
+    """The trio thread routes before torch is loaded: placement and the schedule import
+    without it, and route like schedule.path on the unswapped path (hop h = stage h)."""
+    code = ("import sys; import node.pipe.placement, node.pipeline.schedule; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
     for step in range(5):
         for k in range(4):
             for s in range(3):
-                assert pl.route(7, step, k, s, 3) == schedule.route(7, step, k, s, 3)
                 for r in range(3):
-                    assert pl.next_replica(7, step, k, s, r, [3, 3, 3, 3], "random") == \
+                    assert pl.next_replica(7, step, k, s, r, 3, 3, "random") == \
                         schedule.route(7, step, k, s, 3)[r]
             for r in range(3):
                 assert pl.last_replica(7, step, k, r, [3, 3, 3, 3], "random") == \
                     schedule.path(7, step, k, 4, 3, r)[-1]
                 assert pl.last_replica(7, step, k, r, [3, 3, 3, 3], "fixed") == r
+    # CheckFree+'s swapped path has 6 hops over 4 stages: routed per hop.
+    counts = [3] * len(schedule.hops((1, 1, 1, 1), 1, True))
+    assert pl.last_replica(7, 0, 1, 0, counts, "random") == \
+        schedule.path(7, 0, 1, len(counts), 3, 0)[-1]
 
 
 def test_unequal_replica_counts_route_by_index():
-    assert pl.next_replica(0, 0, 0, 0, 2, [3, 2], "random") == 0
-    assert pl.next_replica(0, 0, 0, 0, 1, [3, 2], "random") == 1
+    assert pl.next_replica(0, 0, 0, 0, 2, 3, 2, "random") == 0
+    assert pl.next_replica(0, 0, 0, 0, 1, 3, 2, "random") == 1
 
 
 def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it():
@@ -89,3 +101,35 @@ def test_of_two_trained_hosts_the_much_younger_one_takes_the_lost_stage_over():
     close = {**uptime, "aa-young": 890.0}  # too close to tell apart across views: by id
     assert pl.rebalance("zz-old", hosts, 4, training=True, settled=settled,
                         uptime=close) == 2
+
+
+def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
+    """The service's claim check follows the micro-batch's visits: with the swap, stage 0
+    takes micro-batch 1's activations from stage 1 (its blocks' visit) and gradients from
+    stage 3; without it, stage 0 takes no activations at all."""
+    from node.pipe.service import PipelineService
+    from node.training.rounds import TrainingStats
+    from protocols import manifest as mf
+    from protocols import pipeline as pipe
+
+    text = (REPO / "testnet" / "pipeline_manifest.toml").read_text()
+    for recovery, swapped in (("checkfree+", True), ("checkfree", False)):
+        m = mf.parse_manifest(text.replace('recovery = "checkfree"', f'recovery = "{recovery}"'))
+        svc = PipelineService(m, "run", TrainingStats())
+        svc.stage = 0
+        svc.stage_map = lambda: [["a"], ["b"], ["c"], ["d"]]
+
+        def header(kind: str, mb: int, hop: int) -> pipe.MessageHeader:
+            return pipe.MessageHeader(kind, "run", 0, 1, mb, (1, 1, 1), hop)
+
+        assert ("act" in svc._expect().kinds) is swapped
+        if swapped:
+            assert svc.claim("b", header("act", 1, 2)) is None
+            assert svc.claim("d", header("grad", 1, 2)) is None
+            assert svc.claim("b", header("grad", 1, 0)) is None
+            assert "does not host stage 1" in svc.claim("c", header("act", 1, 2))
+            assert "not at stage 0" in svc.claim("b", header("act", 1, 3))
+            assert "not at stage 0" in svc.claim("b", header("act", 0, 2))  # even: no swap
+        else:
+            assert svc.claim("b", header("grad", 1, 0)) is None
+            assert "not at stage 0" in svc.claim("b", header("act", 1, 2))

@@ -130,6 +130,20 @@ def test_tensor_frame_must_match_its_envelope() -> None:
         events(frame)
 
 
+def test_the_visit_travels_with_a_message_and_defaults_to_the_stage() -> None:
+    """CheckFree+ visits an edge stage twice: `hop` says which visit a tensor is for."""
+    t = torch.randn(2, 16, 8)
+    (ev,) = events(join(pipe.encode("act", RUN, 2, 5, 1, t, hop=4)))
+    assert (ev.header.stage, ev.header.hop) == (2, 4)
+    (ev,) = events(join(pipe.encode("act", RUN, 2, 5, 1, t)))
+    assert ev.header.hop == 2  # no hop on the wire: stage order
+    for hop in (-1, pipe.MAX_HOPS, "4", 1.5):
+        body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
+                "dtype": "bfloat16", "hop": hop}
+        with pytest.raises(RemoteProtocolError, match="hop must be an int"):
+            events(encode_envelope(Envelope("pipe.act", 0, body)))
+
+
 def test_announced_dtype_other_than_bf16_is_refused() -> None:
     body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
             "dtype": "float32"}

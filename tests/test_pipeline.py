@@ -12,6 +12,7 @@ from node.pipeline import (
     StageOptim,
     StageRunner,
     execution_order,
+    hops,
     micro_batches,
     path,
     route,
@@ -182,6 +183,49 @@ def test_execution_order_swaps_on_odd_micro_batches_only() -> None:
     assert execution_order(layers, 0, swap=True) == list(range(8))
     assert execution_order(layers, 1, swap=True) == [0, 2, 1, 3, 4, 6, 5, 7]
     assert execution_order(layers, 1, swap=False) == list(range(8))
+
+
+def test_hops_visit_an_edge_stage_twice_only_where_it_holds_blocks() -> None:
+    def names(layers, mb):
+        return [(h.stage, "".join(c for c, on in zip("ebh", (h.embed, h.blocks, h.head),
+                                                     strict=True) if on))
+                for h in hops(layers, mb, swap=True)]
+    assert names((1, 1, 1, 1), 0) == [(0, "eb"), (1, "b"), (2, "b"), (3, "bh")]
+    assert names((1, 1, 1, 1), 1) == [(0, "e"), (1, "b"), (0, "b"), (3, "b"), (2, "b"),
+                                      (3, "h")]
+    assert names((0, 1, 1, 1, 1, 0), 1) == [(0, "e"), (2, "b"), (1, "b"), (4, "b"),
+                                            (3, "b"), (5, "h")]
+    assert hops((1, 1, 1, 1), 1, swap=False) == hops((1, 1, 1, 1), 0, swap=True)
+
+
+def test_runners_along_the_swapped_visits_match_the_swapped_model() -> None:
+    """An odd micro-batch through StageRunners visit by visit (stage 0 twice, stage 3
+    twice, keyed by (micro-batch, visit) as the live worker does) gets autograd's
+    gradients of the in-process pipeline in CheckFree+'s order."""
+    model = gpt()
+    layers = (1, 1, 1, 1)
+    ref = split_gpt(model, layers)
+    x, y = batch()
+    logits = Pipeline(ref, StageOptim(), swap=True).forward(x, micro_batch=1)
+    F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).backward()
+
+    stages = split_gpt(model, layers)
+    stages[-1].set_tied(stages[0].wte.weight)
+    runners = [StageRunner(s, StageOptim()) for s in stages]
+    path = hops(layers, 1, swap=True)
+    a = x
+    for h, hop in enumerate(path[:-1]):
+        a = runners[hop.stage].forward((1, h), a, hop)
+    last = len(path) - 1
+    runners[path[-1].stage].forward_loss((1, last), a, y, path[-1])
+    g = runners[path[-1].stage].backward_loss((1, last))
+    for h in range(last - 1, -1, -1):
+        g = runners[path[h].stage].backward((1, h), g)
+    assert g is None  # the embedding's input is token ids
+    stages[0].add_tied_grad(stages[-1].tied_grad())
+    for a_, b_ in zip(ref, stages, strict=True):
+        for (name, p_), q in zip(a_.named_parameters(), b_.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p_.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_micro_batches_must_divide_the_batch() -> None:

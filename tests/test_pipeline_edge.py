@@ -1,7 +1,8 @@
 """CheckFree+ on real node processes: an edge stage whose only host dies is rebuilt by a
 replacement, its blocks copied from its swap partner and its ends (the embedding, the
 final norm) from the copy its neighbour keeps (docs/pipeline.md, "Recovery live"); the
-first stage, then the last; training goes on."""
+first stage, then the last; training goes on. Until then the swap runs live: odd
+micro-batches visit the first two and the last two stages in swapped order."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def test_the_edge_stages_are_rebuilt_from_their_partner_and_their_neighbours_cop
     tail = host_of(net, 3)
     assert tail is not None
     before = pipeline(tail)["training"]
+    # The swap runs live: odd micro-batches visit stage 0's blocks after stage 1's (stage 0
+    # takes activations) and stage 3's blocks before stage 2's (stage 3 sends gradients
+    # back to stage 0 for them).
+    head = host_of(net, 0)
+    assert head is not None and pipeline(head)["received"].get("received act", 0) > 0
+    assert pipeline(tail)["sent"]["grad"] > 0
     killed, new = launcher.kill_stage(net, 0)
     assert killed and new is not None
     net = launcher.Testnet.load(Path(net.dir)) or net

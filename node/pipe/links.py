@@ -50,6 +50,7 @@ class Message:
     mb: int
     tensor: Any
     sender: str
+    hop: int  # the micro-batch's visit it is for (protocols/pipeline.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +108,16 @@ async def messages(stream: Any, receiver: pipe.PipeReceiver, idle_s: float = IDL
 
 
 async def serve_stream(stream: Any, peer: str, expect: pipe.Expect,
-                       claim: Callable[[str, str, int], str | None], inbox: Inbox,
+                       claim: Callable[[str, pipe.MessageHeader], str | None], inbox: Inbox,
                        counters: Counter[str]) -> None:
     """Feed one inbound stream's messages to `inbox` (see the module docstring).
-    `claim(peer, kind, stage)` returns why `peer` may not send `kind` for `stage` here
-    (its stage map says it hosts no neighbouring stage, or we host another stage now)."""
+    `claim(peer, header)` returns why `peer` may not send this message here (its stage
+    map says it hosts no stage the micro-batch's previous or next visit is on, or we host
+    another stage now)."""
     receiver = pipe.PipeReceiver(expect)
     async for event in messages(stream, receiver):
         h = event.header
-        problem = claim(peer, h.kind, h.stage)
+        problem = claim(peer, h)
         if problem is not None:
             counters["refused: stage claim"] += 1
             raise RemoteProtocolError(problem)
@@ -128,7 +130,7 @@ async def serve_stream(stream: Any, peer: str, expect: pipe.Expect,
         nbytes = event.tensor.numel() * (8 if h.kind == "tgt" else 2)
         counters[f"received {h.kind}"] += 1
         counters[f"received bytes {h.kind}"] += nbytes
-        reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer))
+        reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer, h.hop))
         if reason is not None:
             log.warning("refused %s of step %d micro-batch %d from %s: %s", h.kind, h.step,
                         h.mb, peer, reason, extra={"peer": peer, "reason": "pipe full"})
@@ -141,6 +143,7 @@ class Outgoing:
     step: int
     mb: int
     tensor: Any
+    hop: int | None = None  # the receiver's visit (protocols/pipeline.py); None: `stage`
 
 
 class Outbox:
@@ -189,7 +192,7 @@ class Outbox:
                         stream = await self.substrate.open_stream(ID.from_base58(peer),
                                                                   pipe.PROTOCOL_ID)
                 chunks = pipe.encode(msg.kind, self.run_id, msg.stage, msg.step, msg.mb,
-                                     msg.tensor)
+                                     msg.tensor, msg.hop)
                 t0 = time.monotonic()
                 with trio.fail_after(WRITE_S):
                     await write_chunks(stream, chunks)

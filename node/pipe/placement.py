@@ -10,15 +10,19 @@ starts from the run's seed); once a node trains, it moves only to a stage left w
 host at all (CheckFree rebuilds it there), never to even out replicas.
 
 Routing between replicas (node/pipeline/schedule.py): replicas of a stage are numbered by
-sorted peer id; with as many replicas in the next stage, micro-batch k goes to
-`route(seed, step, k, s, R)[r]`; with a different count (churn), replica r % R_next.
+sorted peer id; with as many replicas at the next hop's stage, micro-batch k leaving hop h
+goes to `route(seed, step, k, h, R)[r]`; with a different count (churn), replica
+r % R_next.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-import numpy as np
+from node.pipeline.schedule import route  # torch-free: routing runs in the trio thread
+
+__all__ = ["balanced", "choose", "complete", "last_replica", "next_replica", "rebalance",
+           "route", "stage_map"]
 
 
 def stage_map(hosts: Mapping[str, int], stages: int) -> list[list[str]]:
@@ -82,27 +86,21 @@ def balanced(smap: Sequence[Sequence[str]]) -> bool:
     return max(counts) - min(counts) <= 1
 
 
-def route(seed: int, step: int, micro_batch: int, stage: int, replicas: int) -> list[int]:
-    """schedule.route without torch (the trio thread routes before torch is needed):
-    the same numpy draw, so both give the same permutation (tests check it)."""
-    rng = np.random.default_rng(np.random.SeedSequence([seed, step, micro_batch, stage]))
-    return [int(x) for x in rng.permutation(replicas)]
-
-
-def next_replica(seed: int, step: int, micro_batch: int, stage: int, replica: int,
-                 counts: Sequence[int], routing: str) -> int:
-    """The replica of stage + 1 that replica `replica` of `stage` sends `micro_batch` to."""
-    here, there = counts[stage], counts[stage + 1]
+def next_replica(seed: int, step: int, micro_batch: int, hop: int, replica: int,
+                 here: int, there: int, routing: str) -> int:
+    """The replica of hop + 1's stage (`there` hosts) that replica `replica` of hop's stage
+    (`here` hosts) sends `micro_batch` to (schedule.hops: without CheckFree+'s swap, hop
+    h is stage h)."""
     if routing == "random" and here == there and there > 1:
-        return route(seed, step, micro_batch, stage, there)[replica]
+        return route(seed, step, micro_batch, hop, there)[replica]
     return replica % there
 
 
 def last_replica(seed: int, step: int, micro_batch: int, replica: int,
                  counts: Sequence[int], routing: str) -> int:
-    """The replica of the last stage a micro-batch leaving first-stage `replica` reaches
-    (where its targets go)."""
+    """The replica of the last hop's stage a micro-batch leaving first-stage `replica`
+    reaches (where its targets go); `counts`: the hosts of each hop's stage, in order."""
     at = replica
-    for s in range(len(counts) - 1):
-        at = next_replica(seed, step, micro_batch, s, at, counts, routing)
+    for h in range(len(counts) - 1):
+        at = next_replica(seed, step, micro_batch, h, at, counts[h], counts[h + 1], routing)
     return at

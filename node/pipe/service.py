@@ -10,8 +10,9 @@ stage's worker (worker.py) runs in the trainer thread, torch's own, and this ser
 carries its messages on `/peertrain/pipe/1.0.0` (links.py) on the trio thread.
 
 Routing: replicas are numbered by sorted peer id (placement.next_replica). Activations
-go to the next stage's replica the seeded route names, targets straight to the last
-stage replica the micro-batch will reach, gradients back to whoever sent the
+go to the replica of the next visit's stage the seeded route names (a visit per stage in
+stage order; CheckFree+'s swap visits the edge stages twice: schedule.hops), targets
+straight to the last stage replica the micro-batch will reach, gradients back to whoever sent the
 activations, the head gradient from the last stage to every first-stage host, the tied
 matrix from first-stage replica r to the last-stage replicas q with q % R0 == r.
 """
@@ -29,6 +30,7 @@ import trio
 
 from node.pipe import placement, stage_ckpt
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
+from node.pipeline.schedule import hops
 from protocols import manifest as mf
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
@@ -67,6 +69,10 @@ class PipelineService:
         self.n = p.stages
         self.M = p.micro_batches
         self.layers = mf.stage_layers(manifest.model.n_layers, p.stages, tuple(p.layers))
+        # CheckFree+ runs odd micro-batches through the edge stages in swapped order, so
+        # that each edge's partner learns to stand in for it (schedule.hops).
+        self.swap = p.recovery == "checkfree+"
+        self.paths = [hops(self.layers, k, self.swap) for k in range(self.M)]
         self.stage: int | None = None
         self.moves = 0
         self.phase = "choosing a stage"
@@ -153,14 +159,22 @@ class PipelineService:
     def stage_map(self) -> list[list[str]]:
         return placement.stage_map(self.hosts(), self.n)
 
-    def claim(self, peer: str, kind: str, stage: int) -> str | None:
-        """Why `peer` may not send `kind` for `stage` here (None: it may)."""
-        s = self.stage
+    def claim(self, peer: str, h: pipe.MessageHeader) -> str | None:
+        """Why `peer` may not send this message here (None: it may): activations come
+        from the stage of the micro-batch's previous visit, gradients from its next."""
+        s, kind = self.stage, h.kind
         assert s is not None
-        if stage != s:
-            return f"{kind} for stage {stage} from {peer}: this node hosts stage {s} now"
-        sender = {"act": s - 1, "grad": s + 1, "tgt": 0, "tied": 0,
-                  "tgrad": self.n - 1}.get(kind, -1)
+        if h.stage != s:
+            return f"{kind} for stage {h.stage} from {peer}: this node hosts stage {s} now"
+        sender = {"tgt": 0, "tied": 0, "tgrad": self.n - 1}.get(kind, -1)
+        if kind in ("act", "grad"):
+            path = self.paths[h.mb]
+            if h.hop >= len(path) or path[h.hop].stage != s:
+                return f"{kind} for visit {h.hop} of micro-batch {h.mb}: not at stage {s}"
+            other = h.hop - 1 if kind == "act" else h.hop + 1
+            if not 0 <= other < len(path):
+                return f"{kind} for visit {h.hop} of micro-batch {h.mb} has no sender"
+            sender = path[other].stage
         if 0 <= sender < self.n and peer in self.stage_map()[sender]:
             return None
         return f"{kind} for stage {s} from {peer}, which does not host stage {sender}"
@@ -329,10 +343,12 @@ class PipelineService:
         done = trio.Event()
         self._stop = threading.Event()
 
-        def post(to: tuple, kind: str, stage: int, step: int, mb: int, tensor: Any) -> None:
+        def post(to: tuple, kind: str, stage: int, step: int, mb: int, hop: int,
+                 tensor: Any) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
                 trio.from_thread.run_sync(self._dispatch, to, Outgoing(
-                    kind, stage, step, mb, tensor), trio_token=token)  # type: ignore[arg-type]
+                    kind, stage, step, mb, tensor, hop),  # type: ignore[arg-type]
+                    trio_token=token)
 
         self.worker = None
         worker = await trio.to_thread.run_sync(self._build_worker, post)
@@ -400,7 +416,7 @@ class PipelineService:
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
                            device=self.device, first_step=self._swarm_step(),
-                           leader_step=self._leader_step)
+                           leader_step=self._leader_step, layers=self.layers, swap=self.swap)
 
     def _leader_step(self) -> int:
         """The highest step a live stage host reports (heartbeats): a first stage behind
@@ -698,13 +714,17 @@ class PipelineService:
         try:
             if to[0] == "peer":
                 peers = [to[1]]
-            elif to[0] == "next":
-                q = placement.next_replica(self.m.run.seed, to[1], to[2], self.stage, r,
-                                           counts, p.routing)
-                peers = [smap[self.stage + 1][q]]
+            elif to[0] == "next":  # ("next", step, mb, our visit)
+                path, h = self.paths[to[2]], to[3]
+                q = placement.next_replica(self.m.run.seed, to[1], to[2], h, r,
+                                           counts[path[h].stage], counts[path[h + 1].stage],
+                                           p.routing)
+                peers = [smap[path[h + 1].stage][q]]
             elif to[0] == "last":
-                q = placement.last_replica(self.m.run.seed, to[1], to[2], r, counts, p.routing)
-                peers = [smap[-1][q]]
+                path = self.paths[to[2]]
+                q = placement.last_replica(self.m.run.seed, to[1], to[2], r,
+                                           [counts[v.stage] for v in path], p.routing)
+                peers = [smap[path[-1].stage][q]]
             elif to[0] == "stage":
                 row = smap[to[1]]
                 if msg.kind == "tied":  # first-stage replica r feeds last replicas r mod R0
@@ -744,11 +764,14 @@ class PipelineService:
     def _expect(self) -> pipe.Expect:
         s = self.stage
         assert s is not None
-        kinds = {"act", "grad"}
+        kinds = set()  # acts for a visit past the first, grads for one before the last
+        for path in self.paths:
+            kinds |= {"act" for h in path[1:] if h.stage == s}
+            kinds |= {"grad" for h in path[:-1] if h.stage == s}
         if s == 0:
-            kinds = {"grad", "tgrad"}
-        elif s == self.n - 1:
-            kinds = {"act", "tgt", "tied"}
+            kinds.add("tgrad")
+        if s == self.n - 1:
+            kinds |= {"tgt", "tied"}
         m = self.m
         return pipe.Expect(self.run_id, s, m.model.d_model, m.train.batch_size // self.M,
                            m.model.context, self.M, frozenset(kinds))

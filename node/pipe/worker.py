@@ -18,6 +18,12 @@ the peer). It never waits without a deadline:
   matrix (waiting for the one of the step, within the deadline, before its first
   micro-batch).
 
+With CheckFree+'s swap (schedule.hops) an odd micro-batch visits the first and the last
+stage twice: each message names its visit (`hop`), saved activations are keyed by
+(micro-batch, visit), the first stage also serves its blocks' visit while it drives, and
+the last also forwards its blocks' visit before the head's. A stage steps once all of its
+`visits` of the step are back.
+
 The deadline is measured: 4 x the EWMA of the step's round trip, at least MIN_WAIT_S
 (FIRST_WAIT_S before the first step completes: every stage warms up then).
 """
@@ -27,7 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +69,8 @@ class WorkerStats:
                 "last_drop": self.last_reason}
 
 
-Post = Callable[[tuple, str, int, int, int, Any], None]  # (to, kind, stage, step, mb, t)
+# (to, kind, the receiver's stage, step, mb, the receiver's hop, tensor)
+Post = Callable[[tuple, str, int, int, int, int, Any], None]
 
 
 class StageWorker:
@@ -71,11 +79,20 @@ class StageWorker:
                  batches: Callable[[], tuple[Any, Any]] | None = None,
                  ready: Callable[[], bool] = lambda: True, device: str = "cpu",
                  first_step: int = 0, leader_step: Callable[[], int] = lambda: 0,
-                 first_wait_s: float = FIRST_WAIT_S) -> None:
+                 first_wait_s: float = FIRST_WAIT_S, layers: Sequence[int] | None = None,
+                 swap: bool = False) -> None:
+        from node.pipeline.schedule import hops
+
         self.runner = runner
         self.stage = runner.stage.index
         self.n_stages = n_stages
         self.M = micro_batches
+        # Each micro-batch's visits (schedule.hops): one per stage in stage order, or
+        # CheckFree+'s swapped order on odd micro-batches, where an edge stage holding
+        # blocks is visited twice. `visits`: how many of a step's visits are ours.
+        layers = list(layers) if layers is not None else [1] * n_stages
+        self.paths = [hops(layers, k, swap) for k in range(micro_batches)]
+        self.visits = sum(h.stage == self.stage for path in self.paths for h in path)
         self.inbox = inbox
         self.post = post
         self.stop = stop
@@ -90,6 +107,7 @@ class StageWorker:
         self.leader_step = leader_step
         self.stats = WorkerStats()
         self.tied_version = 0  # last stage: the step its tied matrix is for
+        self._deferred: deque[Message | Lost] = deque()  # read while awaiting the tied matrix
         # Held while the weights change (a step, a recovery) so that a snapshot served to
         # a recovering neighbour (`snapshot`, from another thread) is one step's weights.
         self.lock = threading.Lock()
@@ -188,7 +206,9 @@ class StageWorker:
     # -- the first stage -----------------------------------------------------------------
 
     def drive_step(self) -> None:
-        """One step: micro-batches out, gradients back within the deadline, step."""
+        """One step: micro-batches out, gradients back within the deadline, step. With
+        CheckFree+'s swap the first stage also runs its blocks as an interior visit of
+        odd micro-batches (`_visit`), between sending their embedding and its gradient."""
         from node.pipeline.schedule import micro_batches
 
         assert self.batches is not None
@@ -198,10 +218,11 @@ class StageWorker:
         x, y = self.batches()
         pending = set()
         for k, (xk, yk) in enumerate(micro_batches(x, y, self.M)):
-            out = r.forward(k, self._dev(xk))
+            path = self.paths[k]
+            out = r.forward((k, 0), self._dev(xk), path[0])
             pending.add(k)
-            self.post(("last", t, k), "tgt", self.n_stages - 1, t, k, yk)
-            self.post(("next", t, k), "act", 1, t, k, out)
+            self.post(("last", t, k), "tgt", path[-1].stage, t, k, len(path) - 1, yk)
+            self.post(("next", t, k, 0), "act", path[1].stage, t, k, 1, out)
         if self.stats.first_mb_at is None:
             self.stats.first_mb_at = t0
         need_tied = True
@@ -209,6 +230,7 @@ class StageWorker:
         deadline = t0 + self.wait_s()
         lost = 0
         last_back: float | None = None
+        came_from: dict[tuple[int, int], str] = {}  # our interior visits awaiting gradients
         # the head gradient comes when the last stage has all M micro-batches: not after a loss
         while (pending or (need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
@@ -223,11 +245,16 @@ class StageWorker:
             if isinstance(item, Lost):
                 if item.kind in ("act", "grad", "tgt") and item.mb in pending:
                     pending.discard(item.mb)
-                    r.drop(item.mb)
+                    self._drop_all(item.mb, came_from)
                     self._lost(item.reason)
                     lost += 1
                 continue
-            if item.kind == "grad" and item.mb in pending:
+            if item.kind == "act" and item.hop > 0:
+                self._visit(item, came_from, set())
+            elif item.kind == "grad" and item.hop > 0:
+                if (item.mb, item.hop) in came_from:
+                    self._back(item, came_from)
+            elif item.kind == "grad" and item.mb in pending:
                 pending.discard(item.mb)
                 last_back = time.monotonic()
                 if self._backward(item) is False:
@@ -239,7 +266,7 @@ class StageWorker:
                 need_tied = False
                 last_back = time.monotonic()
         for k in pending:
-            r.drop(k)
+            self._drop_all(k, came_from)
         if pending:
             self._lost(f"step {t}: {len(pending)} micro-batches not back within "
                        f"{self.wait_s():.1f} s", len(pending))
@@ -250,36 +277,73 @@ class StageWorker:
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, t + 1, 0,
-                  r.stage.wte.weight.detach())
+                  len(self.paths[0]) - 1, r.stage.wte.weight.detach())
         self.step = t + 1
         self.progress.step = self.step
         self._after_step(self.step)
         self._timed(t0, last_back)
 
+    def _visit(self, item: Message, came_from: dict[tuple[int, int], str],
+               seen: set[tuple[int, int]]) -> bool:
+        """Activations in for a visit that is not the micro-batch's last: forward, on to
+        the next visit. False if it was refused (seen, or the stage would not run it)."""
+        key = (item.mb, item.hop)
+        if key in seen or key in came_from:
+            self.stats.stale += 1
+            return False
+        seen.add(key)
+        path = self.paths[item.mb]
+        out = self._forward(key, item.tensor, path[item.hop])
+        if out is None:
+            return False
+        came_from[key] = item.sender
+        nxt = item.hop + 1
+        self.post(("next", item.step, item.mb, item.hop), "act", path[nxt].stage, item.step,
+                  item.mb, nxt, out)
+        return True
+
+    def _back(self, item: Message, came_from: dict[tuple[int, int], str]) -> bool:
+        """A gradient for one of our visits past the first: backward, back to the visit
+        before. False if the gradient did not fit (logged, that micro-batch lost)."""
+        sender = came_from.pop((item.mb, item.hop))
+        g = self._backward(item)
+        if g is False:
+            return False
+        prev = item.hop - 1
+        self.post(("peer", sender), "grad", self.paths[item.mb][prev].stage, item.step,
+                  item.mb, prev, g)
+        return True
+
+    def _drop_all(self, mb: int, came_from: dict[tuple[int, int], str]) -> None:
+        """A micro-batch that will not complete: forget every visit of it we hold."""
+        for key in [k for k in came_from if k[0] == mb]:
+            del came_from[key]
+        for h in range(len(self.paths[mb])):
+            self.runner.drop((mb, h))
+
     # -- the other stages ----------------------------------------------------------------
 
     def serve(self) -> None:
-        last = self.stage == self.n_stages - 1
         r = self.runner
         cur = -1  # the step being served
         is_open = False  # cur still takes micro-batches
-        came_from: dict[int, str] = {}  # mb -> the peer its activations came from
-        seen: set[int] = set()  # micro-batches of cur already forwarded
+        came_from: dict[tuple[int, int], str] = {}  # (mb, hop) -> who sent its activations
+        seen: set[tuple[int, int]] = set()  # visits of cur already run
         done = 0
         losses: list[float] = []
-        waiting: dict[tuple[str, int, int], Message] = {}  # last stage: acts/targets unpaired
+        waiting: dict[tuple[str, int, int], Message] = {}  # the head: acts/targets unpaired
         t_start = quiet_since = time.monotonic()
         last_back: float | None = None
 
         def finish() -> None:
             nonlocal done, losses, is_open, last_back
-            for k in list(came_from):
-                r.drop(k)
-                self._lost(f"step {cur}: micro-batch {k} not back in time")
+            for mb, hop in list(came_from):
+                r.drop((mb, hop))
+                self._lost(f"step {cur}: micro-batch {mb} not back in time")
             came_from.clear()
             if done:
-                if last and r.stage.tied_grad() is not None:
-                    self.post(("stage", 0), "tgrad", 0, cur, 0, r.stage.tied_grad().detach())
+                if self.runner.stage.is_last and r.stage.tied_grad() is not None:
+                    self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach())
                     r.stage.tied.grad = None
                 with self.lock:
                     r.step()
@@ -293,17 +357,16 @@ class StageWorker:
             self._after_step(cur + 1)
             done, losses, is_open = 0, [], False
 
-        def backward_done(mb: int, g: Any, to: str) -> None:
+        def visit_done() -> None:
             nonlocal done, last_back
             last_back = time.monotonic()
-            self.post(("peer", to), "grad", self.stage - 1, cur, mb, g)
             done += 1
             self.stats.micro_batches += 1
-            if done == self.M:
+            if done == self.visits:
                 finish()
 
         while not self.stop.is_set():
-            item = self.inbox.get(POLL_S)
+            item = self._deferred.popleft() if self._deferred else self.inbox.get(POLL_S)
             now = time.monotonic()
             if item is None:
                 if is_open and now - quiet_since > self.wait_s():
@@ -311,25 +374,23 @@ class StageWorker:
                 continue
             quiet_since = now
             if isinstance(item, Lost):
-                if item.step == cur and r.drop(item.mb):
-                    came_from.pop(item.mb, None)
+                if item.step == cur:
+                    self._drop_all(item.mb, came_from)
                     self._lost(item.reason)
                 continue
-            if last and item.kind == "tied":
+            if item.kind == "tied":
                 if item.step >= self.tied_version:
                     r.stage.set_tied(self._dev(item.tensor))
                     self.tied_version = item.step
                 continue
             if item.kind == "grad":
-                if item.step != cur or item.mb not in came_from:
+                if item.step != cur or (item.mb, item.hop) not in came_from:
                     self.stats.stale += 1
                     continue
-                sender = came_from.pop(item.mb)
-                g = self._backward(item)
-                if g is not False:
-                    backward_done(item.mb, g, sender)
+                if self._back(item, came_from):
+                    visit_done()
                 continue
-            # activations (or, at the last stage, targets)
+            # activations (or, where the head runs, targets)
             if item.step < cur or (item.step == cur and not is_open):
                 self.stats.stale += 1
                 continue
@@ -341,17 +402,10 @@ class StageWorker:
                 waiting = {k: v for k, v in waiting.items() if k[1] >= cur}
                 if self.stats.first_mb_at is None:
                     self.stats.first_mb_at = now
-                if last:
-                    self._await_tied(cur, waiting)
-            if not last:
-                if item.mb in seen:
-                    self.stats.stale += 1
-                    continue
-                seen.add(item.mb)
-                out = self._forward(item.mb, item.tensor)
-                if out is not None:
-                    came_from[item.mb] = item.sender
-                    self.post(("next", cur, item.mb), "act", self.stage + 1, cur, item.mb, out)
+                if self.runner.stage.is_last:
+                    self._await_tied(cur)
+            if item.kind == "act" and not self.paths[item.mb][item.hop].head:
+                self._visit(item, came_from, seen)
                 continue
             waiting[(item.kind, item.step, item.mb)] = item
             if len(waiting) > 4 * self.M:  # bounded: the oldest go
@@ -361,44 +415,50 @@ class StageWorker:
                 if not is_open:
                     break
                 act, tgt = waiting.get(("act", cur, mb)), waiting.get(("tgt", cur, mb))
-                if act is None or tgt is None or mb in seen:
+                if act is None or tgt is None or (mb, act.hop) in seen:
                     continue
                 del waiting[("act", cur, mb)], waiting[("tgt", cur, mb)]
-                seen.add(mb)
+                key = (mb, act.hop)
+                seen.add(key)
                 try:
-                    loss = r.forward_loss(mb, self._dev(act.tensor), self._dev(tgt.tensor))
-                    g = r.backward_loss(mb, 1.0 / self.M)
+                    loss = r.forward_loss(key, self._dev(act.tensor), self._dev(tgt.tensor),
+                                          self.paths[mb][act.hop])
+                    g = r.backward_loss(key, 1.0 / self.M)
                 except Exception as e:  # PipelineFull, a shape the model refuses
-                    r.drop(mb)
+                    r.drop(key)
                     self._lost(f"micro-batch {mb}: {e}")
                     continue
                 losses.append(loss)
-                backward_done(mb, g, act.sender)
+                prev = act.hop - 1
+                self.post(("peer", act.sender), "grad", self.paths[mb][prev].stage, cur, mb,
+                          prev, g)
+                visit_done()
 
     def _backward(self, item: Message) -> Any:
         """The input's gradient (None on the first stage), or False: a gradient that does
         not fit the saved activations (a shape the wire allows but this micro-batch is
         not) costs that micro-batch, logged, never the worker."""
         try:
-            return self.runner.backward(item.mb, self._dev(item.tensor))
+            return self.runner.backward((item.mb, item.hop), self._dev(item.tensor))
         except (RuntimeError, ValueError, KeyError) as e:
-            self.runner.drop(item.mb)
+            self.runner.drop((item.mb, item.hop))
             self._lost(f"gradient of micro-batch {item.mb} from {item.sender} refused: {e}")
             log.warning("pipeline: refused the gradient of step %d micro-batch %d from %s: "
                         "%s", item.step, item.mb, item.sender, e,
                         extra={"peer": item.sender, "reason": "pipe gradient"})
             return False
 
-    def _forward(self, mb: int, x: Any) -> Any:
+    def _forward(self, key: tuple[int, int], x: Any, hop: Any) -> Any:
         try:
-            return self.runner.forward(mb, self._dev(x))
+            return self.runner.forward(key, self._dev(x), hop)
         except Exception as e:  # PipelineFull, a shape the model refuses: that mb is lost
-            self._lost(f"micro-batch {mb}: {e}")
+            self._lost(f"micro-batch {key[0]}: {e}")
             return None
 
-    def _await_tied(self, step: int, waiting: dict) -> None:
+    def _await_tied(self, step: int) -> None:
         """Last stage, before step `step`'s first micro-batch: the tied matrix the first
-        stage sent after step - 1, within the deadline; else run on the one we have."""
+        stage sent after step - 1, within the deadline; else run on the one we have.
+        What else arrives meanwhile is served after (`_deferred`)."""
         if self.tied_version >= step or step == 0:
             return
         deadline = time.monotonic() + min(self.wait_s(), 10.0)
@@ -412,8 +472,8 @@ class StageWorker:
                     self.tied_version = item.step
                 if self.tied_version >= step:
                     return
-            elif isinstance(item, Message) and item.step >= step:
-                waiting[(item.kind, item.step, item.mb)] = item
+            elif item.step >= step and len(self._deferred) < self.inbox.capacity:
+                self._deferred.append(item)
             else:
                 self.stats.stale += 1
         self.stats.stale_tied += 1

@@ -1,22 +1,24 @@
 """Pipeline stages, pure torch with no networking: cutting the GPT, routing, execution.
 
 docs/pipeline.md describes the layout and the routing; node/pipe/ runs them live.
+The names below load on first use: `node.pipeline.schedule` is torch-free, and the live
+service's trio thread imports it to route before torch is loaded (node/preload.py).
 """
 
-from node.pipeline.runner import Pipeline, PipelineFull, StageOptim, StageRunner
-from node.pipeline.schedule import (
-    execution_order,
-    micro_batches,
-    path,
-    route,
-    route_back,
-    swap_pairs,
-    swap_partner,
-)
-from node.pipeline.stages import Stage, build_stages, split_gpt
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "Pipeline", "PipelineFull", "Stage", "StageOptim", "StageRunner", "build_stages",
-    "execution_order", "micro_batches", "path", "route", "route_back", "split_gpt",
-    "swap_pairs", "swap_partner",
-]
+_WHERE = {
+    "Pipeline": "runner", "PipelineFull": "runner", "StageOptim": "runner",
+    "StageRunner": "runner", "Stage": "stages", "build_stages": "stages",
+    "split_gpt": "stages", "execution_order": "schedule", "hops": "schedule",
+    "micro_batches": "schedule", "path": "schedule", "route": "schedule",
+    "route_back": "schedule", "swap_pairs": "schedule", "swap_partner": "schedule",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'node.pipeline' has no attribute {name!r}")
+    return getattr(import_module(f"node.pipeline.{_WHERE[name]}"), name)

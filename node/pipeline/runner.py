@@ -1,9 +1,11 @@
 """Executing stages: one stage fed activations and gradients, and a whole pipeline in
 one process.
 
-`StageRunner` is what a peer hosting one stage runs (the live service will feed it what
+`StageRunner` is what a peer hosting one stage runs (the live service feeds it what
 protocols/pipeline.py decodes): `forward(mb, x)` keeps the micro-batch's input and output
-for its backward, `backward(mb, grad_out)` returns the gradient of its input, the last
+for its backward (`mb` is any key: the live worker uses (micro-batch, hop), since with
+CheckFree+'s swap an edge stage sees a micro-batch twice, and `hop` says which parts of
+the stage run), `backward(mb, grad_out)` returns the gradient of its input, the last
 stage's `forward_loss(mb, x, targets)` / `backward_loss(mb)` close the loop, and `step()`
 clips this stage's gradient, records its norm *after* clipping (what CheckFree weighs
 neighbours by, §4g), and takes the optimizer step. At most `max_in_flight` micro-batches
@@ -17,13 +19,13 @@ stage boundaries and CheckFree+'s execution order.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from node.pipeline.schedule import execution_order
+from node.pipeline.schedule import Hop, execution_order
 from node.pipeline.stages import Stage, own_parameters
 
 
@@ -69,13 +71,13 @@ class StageRunner:
         self.optimizer = make_optimizer(stage, cfg)
         self.max_in_flight = max_in_flight
         self.grad_norm = 0.0  # the last step's, after clipping
-        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, out)
+        self._saved: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, out)
 
     @property
     def in_flight(self) -> int:
         return len(self._saved)
 
-    def _keep(self, mb: int, x_in: torch.Tensor, out: torch.Tensor) -> None:
+    def _keep(self, mb: Hashable, x_in: torch.Tensor, out: torch.Tensor) -> None:
         if mb in self._saved:
             raise ValueError(f"micro-batch {mb} is already in flight at stage "
                              f"{self.stage.index}")
@@ -84,40 +86,51 @@ class StageRunner:
                                f"micro-batches awaiting backward (max {self.max_in_flight})")
         self._saved[mb] = (x_in, out)
 
-    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or activations in; activations out (detached: they go
-        on the wire). Not for the last stage (`forward_loss`)."""
-        if self.stage.is_last:
+    def _run(self, x: torch.Tensor, hop: Hop | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input kept for the backward, output): the whole stage, or the hop's parts."""
+        embeds = self.stage.is_first if hop is None else hop.embed
+        x_in = x if embeds else x.detach().float().requires_grad_(True)
+        if hop is None:
+            return x_in, self.stage(x_in)
+        if hop.stage != self.stage.index:
+            raise ValueError(f"a hop of stage {hop.stage} at stage {self.stage.index}")
+        out = self.stage.embed(x_in) if hop.embed else x_in
+        out = self.stage.run_blocks(out) if hop.blocks else out
+        return x_in, self.stage.head(out) if hop.head else out
+
+    def forward(self, mb: Hashable, x: torch.Tensor, hop: Hop | None = None) -> torch.Tensor:
+        """Token ids (embedding) or activations in; activations out (detached: they go
+        on the wire). Not where the head runs (`forward_loss`)."""
+        if self.stage.is_last if hop is None else hop.head:
             raise RuntimeError("the last stage computes the loss: call forward_loss")
-        x_in = x if self.stage.is_first else x.detach().float().requires_grad_(True)
-        out = self.stage(x_in)
+        x_in, out = self._run(x, hop)
         self._keep(mb, x_in, out)
         return out.detach()
 
-    def forward_loss(self, mb: int, x: torch.Tensor, targets: torch.Tensor) -> float:
-        if not self.stage.is_last:
+    def forward_loss(self, mb: Hashable, x: torch.Tensor, targets: torch.Tensor,
+                     hop: Hop | None = None) -> float:
+        if not (self.stage.is_last if hop is None else hop.head):
             raise RuntimeError(f"stage {self.stage.index} is not the last")
-        x_in = x if self.stage.is_first else x.detach().float().requires_grad_(True)
-        logits = self.stage(x_in)
+        x_in, logits = self._run(x, hop)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         self._keep(mb, x_in, loss)
         return float(loss.detach())
 
-    def backward_loss(self, mb: int, scale: float = 1.0) -> torch.Tensor | None:
+    def backward_loss(self, mb: Hashable, scale: float = 1.0) -> torch.Tensor | None:
         """Backward from the loss (times `scale`: 1/micro-batches to average them)."""
         return self.backward(mb, torch.tensor(scale))
 
-    def backward(self, mb: int, grad_out: torch.Tensor) -> torch.Tensor | None:
-        """Accumulate this stage's gradient; return the gradient of its input (None on
-        the first stage, whose input is token ids)."""
+    def backward(self, mb: Hashable, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Accumulate this stage's gradient; return the gradient of its input (None where
+        the input was token ids: the embedding ran)."""
         saved = self._saved.pop(mb, None)
         if saved is None:
             raise KeyError(f"micro-batch {mb} is not in flight at stage {self.stage.index}")
         x_in, out = saved
         out.backward(grad_out.to(out.dtype))
-        return None if self.stage.is_first else x_in.grad
+        return x_in.grad if x_in.requires_grad else None
 
-    def drop(self, mb: int) -> bool:
+    def drop(self, mb: Hashable) -> bool:
         """Forget a micro-batch whose other end died: it costs that micro-batch only."""
         return self._saved.pop(mb, None) is not None
 

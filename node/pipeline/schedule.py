@@ -22,9 +22,13 @@ the layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the live service routes in the trio thread, before torch is loaded
+    import torch
 
 
 def route(seed: int, step: int, micro_batch: int, stage: int, replicas: int) -> list[int]:
@@ -90,6 +94,38 @@ def execution_order(layers: Sequence[int], micro_batch: int, swap: bool) -> list
         for a, b in swap_pairs(layers):
             order[a], order[b] = order[b], order[a]
     return order
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One visit of a micro-batch to a stage: what that stage runs on it, in this order
+    (its embedding, its blocks, its head)."""
+
+    stage: int
+    embed: bool = False
+    blocks: bool = False
+    head: bool = False
+
+
+def hops(layers: Sequence[int], micro_batch: int, swap: bool) -> list[Hop]:
+    """The stages a micro-batch visits, in order, with what each runs: the embedding,
+    the blocks in `execution_order`, the head; consecutive parts on one stage are one
+    visit. Without the swap (or on even micro-batches) that is one hop per stage, the
+    stage order; with it, a first or last stage that holds blocks is visited twice: on
+    layers (1, 1, 1, 1), stage 0 embeds, stage 1's blocks run, stage 0's, stage 3's,
+    stage 2's, and stage 3's head. Hop h's activations go to hop h + 1, its gradients
+    come back from there; replicas are routed per hop (`route(..., h, ...)`)."""
+    last = len(layers) - 1
+    parts = [(0, "embed")] + [(s, "blocks") for s in execution_order(layers, micro_batch, swap)
+                              if layers[s] > 0 or s not in (0, last)] + [(last, "head")]
+    out: list[Hop] = []
+    for stage, part in parts:
+        if not out or out[-1].stage != stage:
+            out.append(Hop(stage))
+        h = out[-1]
+        out[-1] = Hop(stage, h.embed or part == "embed", h.blocks or part == "blocks",
+                      h.head or part == "head")
+    return out
 
 
 def micro_batches(x: torch.Tensor, y: torch.Tensor, n: int
