@@ -231,6 +231,7 @@ class StageWorker:
         lost = 0
         last_back: float | None = None
         came_from: dict[tuple[int, int], str] = {}  # our interior visits awaiting gradients
+        seen: set[tuple[int, int]] = set()  # ... and those already run
         # the head gradient comes when the last stage has all M micro-batches: not after a loss
         while (pending or (need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
@@ -250,7 +251,7 @@ class StageWorker:
                     lost += 1
                 continue
             if item.kind == "act" and item.hop > 0:
-                self._visit(item, came_from, set())
+                self._visit(item, came_from, seen)
             elif item.kind == "grad" and item.hop > 0:
                 if (item.mb, item.hop) in came_from:
                     self._back(item, came_from)
@@ -277,7 +278,7 @@ class StageWorker:
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, t + 1, 0,
-                  len(self.paths[0]) - 1, r.stage.wte.weight.detach())
+                  self.n_stages - 1, r.stage.wte.weight.detach())
         self.step = t + 1
         self.progress.step = self.step
         self._after_step(self.step)
