@@ -123,8 +123,8 @@ def wan(quick: Quick = False,
         rate: Annotated[str, typer.Option(help="Every WAN link's rate, both ways.")] = "100mbit",
         rtt: Annotated[float, typer.Option(help="Round-trip time added between any two "
                                            "nodes, in ms.")] = 50.0) -> None:
-    """NoLoCo across shaped WAN links: utilization, bytes per outer step, time to a
-    validation loss, and DiLoCo's all-reduce cost on the same links (root: namespaces)."""
+    """NoLoCo and DiLoCo, each run across shaped WAN links: utilization, bytes per outer
+    step, time to a validation loss (root: namespaces)."""
     from cli.common import fail
     from testnet.bench import wan as bench
 

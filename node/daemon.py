@@ -212,15 +212,17 @@ class Node:
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),
         ]
+        if config.train:
+            from node.training.build import check_swarm_algorithm
+
+            check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
         if config.train and manifest.pipeline is not None:
             # A stage host pulls no checkpoint (its own stage checkpoint stays on its disk:
             # node/pipe/stage_ckpt.py): torch can load now, beside the stage choice.
             preload.start()
         elif config.train:
             from node.checkpoints.service import CheckpointService
-            from node.training.build import check_swarm_algorithm
 
-            check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
@@ -279,13 +281,15 @@ class Node:
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
                 open_stream=self.webrtc.open_stream,
-                path_of=lambda peer: self.paths.paths().get(peer, "direct"))
+                path_of=lambda peer: self.paths.paths().get(peer, "direct"),
+                all_reduce=m.outer.algorithm == "diloco")
             self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
         services.append(TrainingService(
             lambda: build_training(m, ctx.peer_id, ctx.device, config.data,
                                    checkpoints=ctx.checkpoints, attack=config.attack),
-            exchange=averager.exchange if averager else None,
+            exchange=(averager.allreduce if m.outer.algorithm == "diloco" else averager.exchange)
+            if averager else None,
             checkpoint_every=m.checkpoint.every_steps, on_snapshot=checkpoints.save,
             replay_to_align=config.attack is not None, stats=run.progress))
         return services

@@ -140,7 +140,8 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory
 
 @pytest.mark.slow  # `node join` loads the manifest and torch before it refuses
 @pytest.mark.parametrize(("section", "reason"), [
-    ('[outer]\nalgorithm = "diloco"\n', "runs only in the convergence benchmark"),
+    ('[model]\nn_layers = 4\n[outer]\nalgorithm = "diloco"\n[pipeline]\nstages = 4\n',
+     "a [pipeline] run's replicas average by 'noloco'"),
 ])
 def test_runs_a_swarm_cannot_train_are_refused_by_join_with_a_reason(tmp_path, section, reason):
     manifest = tmp_path / "run.toml"

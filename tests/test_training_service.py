@@ -197,3 +197,52 @@ async def test_a_replaying_attacker_aims_one_round_past_the_swarm_and_trains_eve
         await service.run()
     assert rounds[0] == 3
     assert trained == list(range(4 * H))  # no step skipped
+
+
+async def test_diloco_waits_for_each_all_reduce_and_steps_on_the_mean():
+    """DiLoCo's trainer takes no inner step while a round's all-reduce is out: the exchange
+    sees the trainer's step frozen at the boundary, and the model is φ after it."""
+    from node.optim.diloco import DiLoCoConfig, SwarmDiLoCo
+
+    holder: dict = {}
+
+    def make():
+        trainer = Trainer(build_task(TaskConfig(name="digits-mlp")),
+                          TrainConfig(batch_size=16, eval_every=0, seed=0, warmup_steps=1))
+        holder["trainer"] = trainer
+        return trainer, SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig()), H
+
+    steps_during: list[int] = []
+
+    async def allreduce(r: int, snapshot: torch.Tensor) -> Outcome:
+        before = holder["trainer"].step_count
+        await trio.sleep(0.3)  # a slow all-reduce: the trainer must not move meanwhile
+        steps_during.append(holder["trainer"].step_count - before)
+        return Outcome(r, [snapshot + 0.01], partner="peer-a")
+
+    service = TrainingService(make, allreduce, max_steps=3 * H)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.run)
+            await await_until(lambda: service.stats.phase == "done", 60, "training to end")
+            nursery.cancel_scope.cancel()
+    st = service.stats
+    assert steps_during == [0, 0, 0] and st.rounds_averaged == 3 and st.rounds_local == 0
+    assert st.sync_wait_s >= 0.9  # three waits of 0.3 s, apart from compute
+    torch.testing.assert_close(holder["trainer"].parameters_vector(), service.outer.phi)
+
+
+def test_swarm_diloco_steps_on_phi_minus_the_mean_and_alone_on_its_own_delta():
+    from node.optim.diloco import DiLoCo, DiLoCoConfig, SwarmDiLoCo
+
+    init = torch.zeros(4)
+    thetas = [torch.tensor([1.0, 2, 3, 4]), torch.tensor([3.0, 2, 1, 0])]
+    mean = torch.stack(thetas).mean(0)
+    ref = DiLoCo(init, DiLoCoConfig())
+    ref.outer_step([ref.pseudo_gradient(t) for t in thetas])  # the in-process baseline
+    swarm = SwarmDiLoCo(init, DiLoCoConfig())
+    torch.testing.assert_close(swarm.outer_step(thetas[0], [mean]), ref.phi)
+    alone = SwarmDiLoCo(init, DiLoCoConfig())
+    solo = DiLoCo(init, DiLoCoConfig())
+    solo.outer_step([solo.pseudo_gradient(thetas[0])])
+    torch.testing.assert_close(alone.outer_step(thetas[0], []), solo.phi)

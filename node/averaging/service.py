@@ -41,6 +41,7 @@ log = logging.getLogger("node.averaging")
 
 PROTOCOL_ID = av.PROTOCOL_ID
 MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter than one)
+ALLREDUCE_STEPS = 64  # DiLoCo: step k of round r's all-reduce is exchange round r * 64 + k
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
 
 
@@ -83,8 +84,8 @@ class Averager:
                  fixed_neighbours: list[str] | None = None,
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
                  open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
-                 path_of: Callable[[str], str] | None = None, auto_codec: bool = False
-                 ) -> None:
+                 path_of: Callable[[str], str] | None = None, auto_codec: bool = False,
+                 all_reduce: bool = False) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -125,6 +126,10 @@ class Averager:
         # (node/webrtc/); its streams say so in `path`, counted apart below.
         self.open_stream = open_stream
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
+        # DiLoCo (`allreduce`): each round is an all-reduce of pairwise swaps, planned from
+        # the membership when our trainer reaches the boundary (round -> our steps).
+        self.all_reduce = all_reduce
+        self._plans: dict[int, list[Any]] = {}
         self._nursery: trio.Nursery | None = None
         substrate.set_handler(PROTOCOL_ID, self.handle)
 
@@ -160,9 +165,14 @@ class Averager:
 
     def group(self, r: int) -> list[str]:
         """Round r's partners: NoLoCo's group, or gossip learning's k neighbours."""
+        from node.optim import allreduce
         from node.optim.pairing import group_of, neighbours_of
 
         peers = sorted({*self.members(), self.me})
+        if self.all_reduce:
+            outer, k = divmod(r, ALLREDUCE_STEPS)
+            steps = self._plans.get(outer) or allreduce.plan(self.me, peers)
+            return [s.partner for s in steps if s.k == k]
         if self.fixed_neighbours:
             return [p for p in self.fixed_neighbours if p in peers and p != self.me]
         if self.neighbours is not None:
@@ -232,6 +242,29 @@ class Averager:
             self._nursery.start_soon(self.after_round, done)
         return Outcome(r, [results[p] for p in done], partner=",".join(done) or None,
                        peers=tuple(done))
+
+    async def allreduce(self, r: int, snapshot: Any) -> Outcome:
+        """DiLoCo's round r: the mean of every live worker's weights, from pairwise swaps
+        one after the other (node/optim/allreduce.py), as the training service's exchange.
+        A step that fails fails the round (an empty outcome: a local step); never raises."""
+        from node.optim import allreduce
+
+        steps = self._plans[r] = allreduce.plan(self.me, sorted({*self.members(), self.me}))
+        for old in [k for k in self._plans if k < r - 2]:
+            del self._plans[old]
+        current, partners = snapshot, []
+        for step in steps:
+            outcome = await self.exchange(r * ALLREDUCE_STEPS + step.k, current)
+            if not outcome.partner_thetas:
+                log.info("round %d: all-reduce step %d with %s failed; local step", r, step.k,
+                         step.partner)
+                return Outcome(r, [])
+            theirs = outcome.partner_thetas[0]
+            current = (current * step.mine + theirs * step.theirs) / (step.mine + step.theirs)
+            partners.append(step.partner)
+        peers = tuple(dict.fromkeys(partners))
+        return Outcome(r, [current] if steps else [], partner=",".join(peers) or None,
+                       peers=peers)
 
     async def _with_partner(self, r: int, partner: str, snapshot: Any, numel: int,
                             results: dict[str, Any]) -> None:

@@ -115,3 +115,20 @@ class DiLoCo:
         self.phi.copy_(phi)
         self.m.copy_(m)
         self.rounds = int(state["rounds"])  # type: ignore[call-overload]
+
+
+class SwarmDiLoCo(DiLoCo):
+    """DiLoCo in a live swarm, as the training service drives an outer optimizer: at each
+    boundary the trainer waits (`synchronous`) for the all-reduce of the workers' weights
+    (node/optim/allreduce.py, run by the averager), and since φ is the same on every
+    worker, the mean pseudo-gradient is φ − mean(θ_i). No mean (the all-reduce failed) is
+    a local step on this worker's own Δ_i: its φ then leaves the others'."""
+
+    synchronous = True  # the trainer blocks on the all-reduce: DiLoCo's cost on a WAN
+
+    def outer_step(self, theta_local: torch.Tensor,  # type: ignore[override]
+                   group_thetas: Sequence[torch.Tensor] = (), *, peers: Sequence[str] = (),
+                   round: int = 0) -> torch.Tensor:
+        """`group_thetas`: [the mean of every worker's θ] from the all-reduce, or empty."""
+        theta = group_thetas[0] if group_thetas else theta_local
+        return super().outer_step([self.pseudo_gradient(theta)])

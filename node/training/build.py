@@ -22,12 +22,10 @@ ATTACKER_REPLICA = "sybil-attacker"  # every sybil draws the same data: identica
 
 
 def check_swarm_algorithm(m: mf.Manifest, attack: str | None = None) -> None:
-    """DiLoCo needs a group all-reduce every round: it is the baseline of the in-process
-    convergence benchmark (testnet/bench), not something a swarm of strangers runs."""
-    if m.outer.algorithm not in ("noloco", "gossip", "none"):
-        raise TrainerSetupError(f"outer.algorithm = {m.outer.algorithm!r} runs only in the "
-                                "convergence benchmark; a swarm runs 'noloco', 'gossip' or "
-                                "'none'")
+    """What a node refuses to run, before it joins (a clear error, not an idle node)."""
+    if m.outer.algorithm == "diloco" and m.pipeline is not None:
+        raise TrainerSetupError("outer.algorithm = 'diloco' is for data-parallel runs; a "
+                                "[pipeline] run's replicas average by 'noloco'")
     if m.pipeline is not None and m.model.task != "bytes-gpt":
         raise TrainerSetupError("a [pipeline] run cuts the byte-level GPT: it needs "
                                 "model.task = 'bytes-gpt'")
@@ -90,8 +88,14 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         if resume is not None:
             _resume(trainer, outer, *resume)
         return trainer, outer, m.outer.inner_steps
-    outer = NoLoCo(trainer.parameters_vector(),
-                   NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
+    if m.outer.algorithm == "diloco":  # the baseline: an all-reduce every round
+        from node.optim.diloco import DiLoCoConfig, SwarmDiLoCo
+
+        outer = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
+            outer_lr=m.outer.outer_lr, momentum=m.outer.momentum, nesterov=m.outer.nesterov))
+    else:
+        outer = NoLoCo(trainer.parameters_vector(),
+                       NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
     if resume is not None:
         _resume(trainer, outer, *resume)
     return trainer, outer, m.outer.inner_steps

@@ -53,6 +53,7 @@ class TrainingStats:
     val_metrics: dict[str, float] | None = None  # the last evaluation (accuracy, attack rates)
     aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
     grad_norm: float | None = None  # pipeline stages: the last step's, after clipping
+    sync_wait_s: float = 0.0  # DiLoCo: seconds the trainer waited for all-reduces
 
     def step_time(self) -> float:
         """Measured seconds per inner step (a prior of 0.2 s before the first step)."""

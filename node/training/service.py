@@ -12,6 +12,10 @@ a round or more behind the most advanced live peer (it joined late, restarted, o
 a slower device) continues from that peer's round boundary instead of its own step: it
 does fewer inner steps that round, and the learning-rate schedule follows the swarm.
 
+DiLoCo (`outer.algorithm = "diloco"`, a baseline) is the exception: its outer optimizer is
+`synchronous`, so the trainer waits at each boundary for the round's all-reduce (the
+averager's `allreduce`) and steps nothing meanwhile.
+
 Delayed application. The exchange for round r runs while the inner steps of round r+1
 compute. When round r's outcome arrives (at the first inner step after it lands), the
 trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/optim) and
@@ -273,6 +277,18 @@ class TrainingService:
                 snapshot = trainer.parameters_vector()
                 pending[st.round] = snapshot
                 post(Boundary(st.round, snapshot.clone()))
+                if getattr(outer, "synchronous", False):
+                    self._wait_for(st.round, trainer, outer, pending)
+
+    def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any]) -> None:
+        """DiLoCo: no inner step before round r's all-reduce is back (the averager's own
+        deadlines bound the wait); the time waited is counted apart from compute."""
+        started = time.perf_counter()
+        while r in pending and not self._stop.is_set():
+            self._apply_outcomes(trainer, outer, pending)
+            if r in pending:
+                self._stop.wait(0.005)
+        self.stats.sync_wait_s += time.perf_counter() - started
 
     def _apply_outcomes(self, trainer: Any, outer: Any, pending: dict[int, Any]) -> None:
         while True:
