@@ -13,18 +13,18 @@ from node.averaging.service import Averager
 from p2p.host import Substrate
 
 
-def workers(n: int) -> tuple[list[Substrate], list[str], list[Averager]]:
+def workers(n: int) -> tuple[list[Substrate], list[Averager]]:
     subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(n)]
     ids = [s.peer_id.to_base58() for s in subs]
     avgs = [Averager(s, "run", me, (lambda me=me: [p for p in ids if p != me]),
                      codecs=["fp32"], step_time=lambda: 0.01, inner_steps=1, lanes=False,
                      all_reduce=True)
             for s, me in zip(subs, ids, strict=True)]
-    return subs, ids, avgs
+    return subs, avgs
 
 
 async def test_three_workers_end_the_round_with_the_exact_mean():
-    subs, ids, avgs = workers(3)
+    subs, avgs = workers(3)
     vectors = [torch.randn(10_000, generator=torch.Generator().manual_seed(i))
                for i in range(3)]
     outcomes: list = [None] * 3
@@ -50,7 +50,7 @@ async def test_three_workers_end_the_round_with_the_exact_mean():
 
 
 async def test_a_worker_that_never_comes_costs_the_round_not_an_exception():
-    subs, ids, avgs = workers(2)
+    subs, avgs = workers(2)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             for s in subs:

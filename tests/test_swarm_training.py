@@ -61,6 +61,22 @@ def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_
         assert t["bytes_sent"] > 0 and t["bytes_received"] > 0 and t["last_partner"]
 
 
+def test_diloco_all_reduces_across_three_nodes_while_the_trainers_wait(testnet_factory,
+                                                                        tmp_path):
+    """The baseline live: 3 nodes (not a power of two, so one node folds onto a partner
+    and takes the mean back) all-reduce every round, and their trainers wait for it."""
+    manifest = tmp_path / "diloco.toml"
+    manifest.write_text(FAST_RUN.replace('algorithm = "noloco"', 'algorithm = "diloco"')
+                        .replace("inner_steps = 100", "inner_steps = 50"))
+    net = testnet_factory(3, manifest=manifest, timeout=180)
+    for p in nodes(net):
+        t = wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3 and t,
+                       240, f"{p.name} to all-reduce 3 rounds")
+        assert t["sync_wait_s"] > 0
+        partners = (status(p).get("averaging") or {}).get("partners") or {}
+        assert sum(x["exchanges"] for x in partners.values()) >= 3
+
+
 def test_sigkill_mid_run_does_not_stall_the_others(testnet_factory, fast_manifest):
     net = testnet_factory(3, manifest=fast_manifest, timeout=180)
     node1, node2, node3 = nodes(net)
