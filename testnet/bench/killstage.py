@@ -174,8 +174,9 @@ def section(cases: list[Case], quick: bool, total_s: float) -> str:
         "more ttl before it chooses a stage). An edge stage under plain CheckFree restarts "
         "from the run's seed: the loss jumps toward a fresh model's and is relearnt over "
         "many steps; CheckFree+ restores the embedding from the neighbour's copy (at most "
-        "10 s old) and copies the partner's blocks, which the live pipeline never trained in "
-        "the edge's position (the swap runs in `node bench checkfree` only). The restart "
+        "10 s old) and copies the partner's blocks, which CheckFree+'s swap has trained in "
+        "the edge's position too (odd micro-batches run the two in swapped order), while "
+        "the swap slows training down a little (more hops per micro-batch). The restart "
         "case starts the killed host again at once (no wait for the view): its own "
         "checkpoint is at most 25 steps old.",
         f"Rerun: `node bench kill-stage` (about {len(CASES) * 4} min) or `--quick`.",
