@@ -254,7 +254,8 @@ class Node:
 
             run = ctx.the_run()
             return [PipelineService(run.manifest, run.run_id, run.progress, config.data,
-                                    device=ctx.device)]
+                                    device=ctx.device,
+                                    path_of=lambda peer: self.paths.paths().get(peer, "direct"))]
         from node.averaging import adapt
         from node.averaging.history_gossip import HistoryGossip
         from node.averaging.service import PROTOCOL_ID as av_protocol

@@ -104,6 +104,7 @@ DECLARATIONS: Final = (
     ("protocols.averaging", "LIMITS"),
     ("protocols.lane", "LIMITS"),
     ("protocols.pipeline", "LIMITS"),
+    ("protocols.pipeline", "LANE_REPLY_LIMITS"),
     ("protocols.pipeline", "WEIGHTS_REQUEST_LIMITS"),
     ("protocols.pipeline", "WEIGHTS_RESPONSE_LIMITS"),
     ("protocols.history", "LIMITS"),

@@ -9,6 +9,15 @@ envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
     pipe.tgrad (last -> first) the tied head's gradient, [1, vocab, d_model], mb 0
     pipe.tied  (first -> last) the updated tied matrix for `step`, [1, vocab, d_model]
 
+A sender on a direct path may first ask for a bulk lane (protocols/lane.py), as the very
+first message of a stream, and read the one answer the receiver ever writes:
+
+    -> pipe.lane {run}          <- pipe.lane {port, key}   or   pipe.nolane {reason}
+
+With a lane, every further message goes over it (the same messages, sealed records over a
+TCP connection to `port` that proves it holds `key`); the libp2p stream, which
+authenticated the sender, stays open beside it and names the sender of the lane's messages.
+
 `stage` is the stage the tensor is *for* (the receiver's). `hop` is the micro-batch's visit
 it is for (node/pipeline/schedule.py `hops`): activations come from hop - 1, gradients from
 hop + 1. Absent, it is `stage`: in stage order (no CheckFree+ swap) hop h is stage h, and
@@ -40,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.lane import KEY_BYTES
 from protocols.limits import StreamLimits
 from protocols.wire import (
     NEED_DATA,
@@ -157,7 +167,42 @@ class Refused:
     reason: str
 
 
-Event = TensorReceived | Refused
+@dataclass(frozen=True, slots=True)
+class LaneAsked:
+    """The sender asks for a bulk lane (only as a stream's first message): answer with
+    `encode_lane_offer` or `encode_no_lane`."""
+
+
+Event = TensorReceived | Refused | LaneAsked
+
+#: What a sender reads back on its stream: one pipe.lane / pipe.nolane envelope.
+LANE_REPLY_LIMITS: Final = StreamLimits(PROTOCOL_ID + " lane reply", 512, deadline_s=5.0)
+
+
+def encode_lane_request(run: str) -> bytes:
+    return encode_envelope(Envelope("pipe.lane", 0, {"run": run}))
+
+
+def encode_lane_offer(port: int, key: bytes) -> bytes:
+    return encode_envelope(Envelope("pipe.lane", 0, {"port": port, "key": key}))
+
+
+def encode_no_lane(reason: str) -> bytes:
+    return encode_envelope(Envelope("pipe.nolane", 0, {"reason": reason[:200]}))
+
+
+def parse_lane_reply(env: Any) -> tuple[int, bytes] | str:
+    """(port, key) of a lane offer, or the reason there is none; RemoteProtocolError for
+    anything else."""
+    body = env.body if isinstance(env, Envelope) else None
+    if isinstance(env, Envelope) and env.type == "pipe.nolane" and isinstance(body, dict):
+        return str(body.get("reason", ""))[:200]
+    if isinstance(env, Envelope) and env.type == "pipe.lane" and isinstance(body, dict):
+        port, key = body.get("port"), body.get("key")
+        if type(port) is int and 0 < port < 65536 and isinstance(key, bytes) \
+                and len(key) == KEY_BYTES:
+            return port, key
+    raise RemoteProtocolError(f"expected a lane offer, got {_short(getattr(env, 'type', env))}")
 
 
 def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor,
@@ -206,6 +251,7 @@ class PipeReceiver:
         self._decoder = expect.limits().decoder(payload_buffer=self._check_tensor_header)
         self.received = 0
         self.refused = 0
+        self._first = True  # only a stream's first message may ask for a lane
 
     @property
     def between_messages(self) -> bool:
@@ -226,7 +272,9 @@ class PipeReceiver:
                 if event is NEED_DATA:
                     return NEED_DATA
                 if isinstance(event, Envelope):
-                    self._on_envelope(event)
+                    asked = self._on_envelope(event)
+                    if asked is not None:
+                        return asked
                     continue
                 return self._on_tensor(event)
         except RemoteProtocolError:
@@ -237,9 +285,18 @@ class PipeReceiver:
         if self.state is State.DEAD:
             raise RemoteProtocolError("pipe stream is dead after a protocol violation")
 
-    def _on_envelope(self, env: Envelope) -> None:
+    def _on_envelope(self, env: Envelope) -> LaneAsked | None:
         if self.state is not State.HEADER:
             raise RemoteProtocolError(f"{env.type!r} envelope while a tensor frame was due")
+        first, self._first = self._first, False
+        if env.type == "pipe.lane":
+            if not first:
+                raise RemoteProtocolError("pipe.lane is only a stream's first message")
+            body = env.body
+            if not isinstance(body, dict) or set(body) != {"run"} \
+                    or body["run"] != self.expect.run:
+                raise RemoteProtocolError(f"pipe.lane for another run: {_short(body)}")
+            return LaneAsked()
         kind = _KINDS.get(env.type)
         if kind is None:
             raise RemoteProtocolError(f"unexpected message type {_short(env.type)} on "
@@ -256,6 +313,7 @@ class PipeReceiver:
                                       body["mb"], tuple(body["shape"]),  # type: ignore[arg-type]
                                       body.get("hop", body["stage"]))
         self.state = State.TENSOR
+        return None
 
     def _expect_problem(self, kind: str, body: dict[str, Any]) -> str | None:
         e = self.expect

@@ -149,6 +149,53 @@ async def test_a_dead_next_peer_loses_its_micro_batches_at_once():
     assert box.failures[peer] >= 1
 
 
+@pytest.mark.parametrize("offers", [True, False], ids=["lane", "no lane"])
+async def test_on_a_direct_path_the_messages_take_a_bulk_lane_else_the_stream(offers):
+    """Two real hosts on loopback: the sender asks for a lane on its first message's
+    stream; the receiver offers one (messages then come over it, still as the sender's)
+    or declines (they come over the stream). Either way every message arrives."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2p.host import Substrate
+
+    sender, receiver = (Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+                        for _ in range(2))
+    me = sender.peer_id.to_base58()
+    inbox, counters = Inbox(16), Counter()
+
+    async def handle(stream):
+        await serve_stream(stream, stream.muxed_conn.peer_id.to_base58(), EXPECT,
+                           claims({me: 1}), inbox, counters,
+                           lane_host="127.0.0.1" if offers else None)
+
+    receiver.set_handler(pipe.PROTOCOL_ID, handle)
+    lost: list = []
+    box = Outbox(sender, RUN, capacity=8, on_lost=lambda m, why: lost.append(why))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for s in (sender, receiver):
+                await nursery.start(s.serve)
+            peer = await sender.connect(receiver.addrs()[0])
+            nursery.start_soon(box.run)
+            await trio.testing.wait_all_tasks_blocked()
+            for k in range(3):
+                box.send(peer.to_base58(), Outgoing("act", 2, 5, k, torch.randn(2, 16, 8)))
+            while inbox.qsize() < 3:
+                await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+    assert [(m.mb, m.sender) for m in drain(inbox)] == [(k, me) for k in range(3)]
+    assert not lost
+    assert box.paths[peer.to_base58()] == ("lane" if offers else "stream")
+    assert counters["lanes accepted"] == (1 if offers else 0)
+
+
+async def test_a_lane_is_asked_for_first_or_never():
+    with pytest.raises(RemoteProtocolError, match="first message"):
+        await feed([msg(mb=0), pipe.encode_lane_request(RUN)])
+    with pytest.raises(RemoteProtocolError, match="another run"):
+        await feed([pipe.encode_lane_request("QmOther")])
+
+
 # -- stage workers wired to each other, in threads -----------------------------------------
 
 def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: int | None = None,

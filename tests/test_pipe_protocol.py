@@ -272,3 +272,19 @@ def test_a_weights_request_is_checked() -> None:
     dec.feed(bad)
     with pytest.raises(RemoteProtocolError, match="part"):
         pipe.check_weights_request(dec.next_event(), RUN)
+
+
+def test_a_lane_reply_is_an_offer_a_reason_or_refused() -> None:
+    def reply(data: bytes):
+        decoder = pipe.LANE_REPLY_LIMITS.decoder()
+        decoder.feed(data)
+        return pipe.parse_lane_reply(decoder.next_event())
+
+    assert reply(pipe.encode_lane_offer(4242, b"k" * 32)) == (4242, b"k" * 32)
+    assert reply(pipe.encode_no_lane("busy")) == "busy"
+    for bad in (pipe.encode_lane_offer(0, b"k" * 32), pipe.encode_lane_offer(80, b"short"),
+                encode_envelope(Envelope("pipe.act", 0, {}))):
+        with pytest.raises(RemoteProtocolError, match="expected a lane offer"):
+            reply(bad)
+    (asked,) = events(pipe.encode_lane_request(RUN))
+    assert isinstance(asked, pipe.LaneAsked)

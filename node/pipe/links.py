@@ -28,7 +28,8 @@ from typing import Any
 
 import trio
 
-from node.streams import StreamEnded, close_quietly, pump, write_chunks
+from node.lane import LaneListener, LaneStream, connect_lane
+from node.streams import StreamEnded, close_quietly, next_event, pump, write_chunks
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 
@@ -39,6 +40,9 @@ IDLE_S = 300.0  # an inbound stream with no message for this long is closed
 # more than 5 s to answer a stream's negotiation; a dead one leaves the stage map anyway.
 OPEN_S = 15.0  # opening a stream to the next stage
 WRITE_S = 30.0  # one message's write
+LANE_ACCEPT_S = 5.0  # a receiver waits this long for the sender's lane to connect
+LANE_CONNECT_S = 2.0  # ... and a sender this long to connect it
+LANE_RETRY_S = 300.0  # a peer whose lane failed gets the libp2p stream this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,31 +113,71 @@ async def messages(stream: Any, receiver: pipe.PipeReceiver, idle_s: float = IDL
 
 async def serve_stream(stream: Any, peer: str, expect: pipe.Expect,
                        claim: Callable[[str, pipe.MessageHeader], str | None], inbox: Inbox,
-                       counters: Counter[str]) -> None:
+                       counters: Counter[str], lane_host: str | None = None) -> None:
     """Feed one inbound stream's messages to `inbox` (see the module docstring).
     `claim(peer, header)` returns why `peer` may not send this message here (its stage
     map says it hosts no stage the micro-batch's previous or next visit is on, or we host
-    another stage now)."""
+    another stage now). A sender that asks for a bulk lane first gets one where
+    `lane_host` is given (we listen there), and its messages are then read from the lane,
+    as `peer`'s: the libp2p stream authenticated it, and the lane's key was handed over
+    that stream only."""
     receiver = pipe.PipeReceiver(expect)
     async for event in messages(stream, receiver):
-        h = event.header
-        problem = claim(peer, h)
-        if problem is not None:
-            counters["refused: stage claim"] += 1
-            raise RemoteProtocolError(problem)
-        if isinstance(event, pipe.Refused):
-            counters["refused: values"] += 1
-            log.warning("refused %s from %s: %s", h.kind, peer, event.reason,
-                        extra={"peer": peer, "reason": "pipe values"})
-            inbox.offer(Lost(h.kind, h.step, h.mb, event.reason))
-            continue
-        nbytes = event.tensor.numel() * (8 if h.kind == "tgt" else 2)
-        counters[f"received {h.kind}"] += 1
-        counters[f"received bytes {h.kind}"] += nbytes
-        reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer, h.hop))
-        if reason is not None:
-            log.warning("refused %s of step %d micro-batch %d from %s: %s", h.kind, h.step,
-                        h.mb, peer, reason, extra={"peer": peer, "reason": "pipe full"})
+        if isinstance(event, pipe.LaneAsked):
+            if lane_host is None:
+                await stream.write(pipe.encode_no_lane("this node offers no lanes"))
+                continue
+            listener, lane = LaneListener(lane_host), None
+            try:
+                port = await listener.open()
+                await stream.write(pipe.encode_lane_offer(port, listener.key))
+                lane = await listener.accept(timeout=LANE_ACCEPT_S)
+            except (OSError, trio.TooSlowError) as e:  # the sender goes on on the stream
+                counters["lanes failed"] += 1
+                log.info("pipe lane from %s not connected (%r)", peer, e)
+            finally:
+                await listener.aclose()
+            if lane is None:
+                continue
+            counters["lanes accepted"] += 1
+            try:
+                await _feed(lane, pipe.PipeReceiver(expect), peer, claim, inbox, counters)
+            finally:
+                await close_quietly(lane)
+            return
+        _offer(event, peer, claim, inbox, counters)
+
+
+async def _feed(source: Any, receiver: pipe.PipeReceiver, peer: str,
+                claim: Callable[[str, pipe.MessageHeader], str | None], inbox: Inbox,
+                counters: Counter[str]) -> None:
+    async for event in messages(source, receiver):
+        if isinstance(event, pipe.LaneAsked):  # the receiver allows it first only
+            raise RemoteProtocolError("a lane inside a lane")
+        _offer(event, peer, claim, inbox, counters)
+
+
+def _offer(event: pipe.TensorReceived | pipe.Refused, peer: str,
+           claim: Callable[[str, pipe.MessageHeader], str | None], inbox: Inbox,
+           counters: Counter[str]) -> None:
+    h = event.header
+    problem = claim(peer, h)
+    if problem is not None:
+        counters["refused: stage claim"] += 1
+        raise RemoteProtocolError(problem)
+    if isinstance(event, pipe.Refused):
+        counters["refused: values"] += 1
+        log.warning("refused %s from %s: %s", h.kind, peer, event.reason,
+                    extra={"peer": peer, "reason": "pipe values"})
+        inbox.offer(Lost(h.kind, h.step, h.mb, event.reason))
+        return
+    nbytes = event.tensor.numel() * (8 if h.kind == "tgt" else 2)
+    counters[f"received {h.kind}"] += 1
+    counters[f"received bytes {h.kind}"] += nbytes
+    reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer, h.hop))
+    if reason is not None:
+        log.warning("refused %s of step %d micro-batch %d from %s: %s", h.kind, h.step,
+                    h.mb, peer, reason, extra={"peer": peer, "reason": "pipe full"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +194,20 @@ class Outbox:
     """Writer tasks, one per peer, each with a bounded queue of `capacity` messages."""
 
     def __init__(self, substrate: Any, run_id: str, capacity: int,
-                 on_lost: Callable[[Outgoing, str], None]) -> None:
+                 on_lost: Callable[[Outgoing, str], None], *, lanes: bool = True,
+                 path_of: Callable[[str], str] = lambda peer: "direct") -> None:
         self.substrate = substrate
         self.run_id = run_id
         self.capacity = capacity
         self.on_lost = on_lost
+        # Bulk lanes to peers on a direct path (`path_of`, node/reach/paths.py): a lane
+        # is a fresh TCP dial to the address the stream came from, which a relay or a
+        # punched NAT would not forward. One that failed is not asked for again for
+        # LANE_RETRY_S; the libp2p stream carries the messages meanwhile.
+        self.lanes = lanes
+        self.path_of = path_of
+        self.lane_failed: dict[str, float] = {}
+        self.paths: dict[str, str] = {}  # peer -> "lane" or "stream", as last opened
         self._queues: dict[str, trio.MemorySendChannel[Outgoing]] = {}
         self._nursery: trio.Nursery | None = None
         self.counters: Counter[str] = Counter()
@@ -184,18 +237,20 @@ class Outbox:
     async def _writer(self, peer: str, receive: trio.MemoryReceiveChannel[Outgoing]) -> None:
         from libp2p.peer.id import ID
 
-        stream = None
+        stream = lane = None
         async for msg in receive:
             try:
                 if stream is None:
                     with trio.fail_after(OPEN_S):
                         stream = await self.substrate.open_stream(ID.from_base58(peer),
                                                                   pipe.PROTOCOL_ID)
+                    lane = await self._ask_lane(peer, stream)
+                    self.paths[peer] = "lane" if lane is not None else "stream"
                 chunks = pipe.encode(msg.kind, self.run_id, msg.stage, msg.step, msg.mb,
                                      msg.tensor, msg.hop)
                 t0 = time.monotonic()
                 with trio.fail_after(WRITE_S):
-                    await write_chunks(stream, chunks)
+                    await write_chunks(lane or stream, chunks)
                 self.counters[f"sent {msg.kind}"] += 1
                 self.counters[f"sent bytes {msg.kind}"] += sum(
                     len(memoryview(c).cast("B")) for c in chunks[2:])
@@ -205,17 +260,44 @@ class Outbox:
                 log.info("pipe to %s failed (%r): %s of step %d micro-batch %d lost", peer, e,
                          msg.kind, msg.step, msg.mb)
                 self.on_lost(msg, f"send to {peer} failed: {e!r}")
-                if stream is not None:
-                    await close_quietly(stream)
-                    stream = None
+                for open_ in (lane, stream):
+                    if open_ is not None:
+                        await close_quietly(open_)
+                stream = lane = None
                 while True:  # what waited behind it would only time out too
                     try:
                         self.on_lost(receive.receive_nowait(), f"send to {peer} failed")
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
 
+    async def _ask_lane(self, peer: str, stream: Any) -> LaneStream | None:
+        """A bulk lane to `peer`, asked for on the fresh `stream`; None where there is
+        none to be had (not a direct path, refused, failed lately, unreachable)."""
+        failed = self.lane_failed.get(peer)
+        if failed is not None and time.monotonic() - failed < LANE_RETRY_S:
+            return None
+        if not self.lanes or self.path_of(peer) != "direct":
+            return None
+        self.lane_failed[peer] = time.monotonic()  # until it connects
+        try:
+            with trio.fail_after(pipe.LANE_REPLY_LIMITS.deadline_s or 5.0):
+                await stream.write(pipe.encode_lane_request(self.run_id))
+                reply = pipe.parse_lane_reply(
+                    await next_event(stream, pipe.LANE_REPLY_LIMITS.decoder()))
+            if isinstance(reply, str):
+                log.info("pipe to %s: no lane (%s); the stream carries it", peer, reply)
+                return None
+            lane = await connect_lane(stream.get_remote_address()[0], *reply,
+                                      timeout=LANE_CONNECT_S)
+        except (OSError, trio.TooSlowError, RemoteProtocolError, StreamEnded, TypeError) as e:
+            log.info("pipe to %s: lane failed (%r); the stream for %.0f s", peer, e,
+                     LANE_RETRY_S)
+            return None
+        del self.lane_failed[peer]
+        return lane
+
     def statistics(self) -> dict[str, Any]:
         return {"queued": {p: c.statistics().current_buffer_used
                            for p, c in self._queues.items()},
-                "failures": dict(self.failures)}
+                "failures": dict(self.failures), "paths": dict(self.paths)}
 

@@ -24,10 +24,12 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.lane import listen_host
 from node.pipe import placement, stage_ckpt
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
 from node.pipeline.schedule import hops
@@ -57,7 +59,8 @@ class PipelineService:
     protocols = (pipe.PROTOCOL_ID, pipe.WEIGHTS_PROTOCOL_ID)
 
     def __init__(self, manifest: mf.Manifest, run_id: str, progress: TrainingStats,
-                 data: list[str] | None = None, device: str = "cpu") -> None:
+                 data: list[str] | None = None, device: str = "cpu",
+                 path_of: Callable[[str], str] | None = None) -> None:
         p = manifest.pipeline
         if p is None:
             raise ValueError("not a pipeline run")
@@ -66,6 +69,9 @@ class PipelineService:
         self.progress = progress
         self.data = data
         self.device = device
+        # How each peer is reached (node/reach/paths.py): a bulk lane only on a direct path
+        self.path_of = path_of
+        self.lane_host: str | None = None  # where our bulk lanes listen, once running
         self.n = p.stages
         self.M = p.micro_batches
         self.layers = mf.stage_layers(manifest.model.n_layers, p.stages, tuple(p.layers))
@@ -205,8 +211,11 @@ class PipelineService:
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._ctx = ctx
-        self.outbox = Outbox(ctx.substrate, self.run_id, capacity=4 * self.M + 8,
-                             on_lost=self._on_lost)
+        substrate = ctx.substrate
+        self.outbox = Outbox(substrate, self.run_id, capacity=4 * self.M + 8,
+                             on_lost=self._on_lost, path_of=self.path_of or (
+                                 lambda peer: substrate.peer_paths().get(peer, "direct")))
+        self.lane_host = listen_host(substrate)
         ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
         ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
         async with trio.open_nursery() as nursery:
@@ -753,7 +762,7 @@ class PipelineService:
                 self.counters["refused: no stage yet"] += 1
                 return
             await serve_stream(stream, peer, self._expect(), self.claim, self.inbox,
-                               self.counters)
+                               self.counters, lane_host=self.lane_host)
         finally:
             try:
                 with trio.move_on_after(2):
@@ -799,6 +808,7 @@ class PipelineService:
             "sent": sent,
             "bytes_per_micro_batch": per_mb,
             "received": {k: v for k, v in self.counters.items() if k.startswith("received")},
+            "lanes": {k: v for k, v in self.counters.items() if k.startswith("lanes")},
             "refused": {**{k: v for k, v in self.counters.items()
                            if k.startswith(("refused", "lost"))},
                         **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
