@@ -199,10 +199,11 @@ async def test_a_lane_is_asked_for_first_or_never():
 # -- stage workers wired to each other, in threads -----------------------------------------
 
 def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: int | None = None,
-                  steps: int = 30, swap: bool = False):
+                  steps: int = 30, swap: bool = False, sent: list | None = None):
     """`stages` workers, one thread each; `post` hands a message straight to the receiving
     worker's inbox (stage `dead`, if given, never answers: its messages are lost).
-    `swap`: CheckFree+'s execution order (odd micro-batches visit the edge stages twice)."""
+    `swap`: CheckFree+'s execution order (odd micro-batches visit the edge stages twice).
+    `sent`: a list to record (from, kind, to, mb, hop) of every message in."""
     from node.pipeline.runner import StageOptim, StageRunner
     from node.pipeline.stages import build_stages
     from node.trainer.models import GPTConfig
@@ -225,7 +226,7 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
 
     progress = [Progress() for _ in range(stages)]
     workers: list[StageWorker] = []
-    sent: list[tuple] = []  # (from, kind, to, mb, hop) of every message
+    sent = sent if sent is not None else []
 
     def post_from(src: int):
         def post(to, kind, stage, step, mb, hop, tensor):
@@ -246,7 +247,6 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
                                    stop, progress=progress[s],
                                    batches=batches if s == 0 else None, first_wait_s=10.0,
                                    layers=[1] * stages, swap=swap))
-    wire_pipeline.sent = sent
     return workers, progress, stop
 
 
@@ -268,16 +268,22 @@ def run_until(workers, stop, done, timeout=120):
             t.join(30)
 
 
-def test_stage_workers_train_a_gpt_across_four_stages_and_its_loss_falls():
-    workers, progress, stop = wire_pipeline(4)
+def train_losses(workers, progress, stop, steps: int = 40) -> list[float]:
+    """Run the wired workers for `steps` steps; the last stage's losses as they changed."""
     losses: list[float] = []
 
     def done():
         loss = progress[-1].loss
         if loss is not None and (not losses or losses[-1] != loss):
             losses.append(loss)
-        return progress[0].step >= 40
+        return progress[0].step >= steps
     run_until(workers, stop, done)
+    return losses
+
+
+def test_stage_workers_train_a_gpt_across_four_stages_and_its_loss_falls():
+    workers, progress, stop = wire_pipeline(4)
+    losses = train_losses(workers, progress, stop)
     assert losses[-1] < losses[0] - 0.5, losses
     # (no drop count here: a loaded machine may push a step past its deadline)
     # the tied matrix went back and forth: the last stage's copy is the owner's
@@ -289,23 +295,17 @@ def test_stage_workers_train_a_gpt_across_four_stages_and_its_loss_falls():
 def test_with_checkfree_plus_odd_micro_batches_visit_the_edge_stages_in_swapped_order():
     """CheckFree+ live: micro-batch 1 goes embedding (0) -> blocks of 1, 0, 3, 2 -> head (3)
     and its gradients back the same way; the loss still falls and every stage steps."""
-    workers, progress, stop = wire_pipeline(4, swap=True)
-    losses: list[float] = []
-
-    def done():
-        loss = progress[-1].loss
-        if loss is not None and (not losses or losses[-1] != loss):
-            losses.append(loss)
-        return progress[0].step >= 40
-    run_until(workers, stop, done)
+    sent: list[tuple] = []
+    workers, progress, stop = wire_pipeline(4, swap=True, sent=sent)
+    losses = train_losses(workers, progress, stop)
     assert losses[-1] < losses[0] - 0.5, losses
-    acts = {(src, to, hop) for src, kind, to, mb, hop in wire_pipeline.sent
+    acts = {(src, to, hop) for src, kind, to, mb, hop in sent
             if kind == "act" and mb == 1}
     assert acts == {(0, 1, 1), (1, 0, 2), (0, 3, 3), (3, 2, 4), (2, 3, 5)}
-    grads = {(src, to, hop) for src, kind, to, mb, hop in wire_pipeline.sent
+    grads = {(src, to, hop) for src, kind, to, mb, hop in sent
              if kind == "grad" and mb == 1}
     assert grads == {(3, 2, 4), (2, 3, 3), (3, 0, 2), (0, 1, 1), (1, 0, 0)}
-    assert {(src, to) for src, kind, to, mb, _ in wire_pipeline.sent
+    assert {(src, to) for src, kind, to, mb, _ in sent
             if kind == "act" and mb == 0} == {(0, 1), (1, 2), (2, 3)}
     assert all(w.stats.steps >= 30 for w in workers[1:])
 

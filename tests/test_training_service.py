@@ -50,6 +50,15 @@ def gated(make, answered: dict[int, threading.Event], token: trio.lowlevel.TrioT
     return build_gated
 
 
+async def train_to_the_end(service: TrainingService) -> None:
+    """Run the service until its trainer reaches max_steps (bounded)."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.run)
+            await await_until(lambda: service.stats.phase == "done", 60, "training to end")
+            nursery.cancel_scope.cancel()
+
+
 async def test_outcomes_are_applied_and_late_rounds_fall_back_to_local_steps():
     seen: list[int] = []
     answered = {r: threading.Event() for r in (1, 3, 5)}
@@ -63,11 +72,7 @@ async def test_outcomes_are_applied_and_late_rounds_fall_back_to_local_steps():
 
     service = TrainingService(gated(build(), answered, trio.lowlevel.current_trio_token()),
                               exchange, max_steps=6 * H)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(service.run)
-            await await_until(lambda: service.stats.phase == "done", 60, "training to end")
-            nursery.cancel_scope.cancel()
+    await train_to_the_end(service)
     st = service.stats
     assert st.step == 6 * H
     assert seen == [1, 2, 3, 4, 5, 6]
@@ -221,11 +226,7 @@ async def test_diloco_waits_for_each_all_reduce_and_steps_on_the_mean():
         return Outcome(r, [snapshot + 0.01], partner="peer-a")
 
     service = TrainingService(make, allreduce, max_steps=3 * H)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(service.run)
-            await await_until(lambda: service.stats.phase == "done", 60, "training to end")
-            nursery.cancel_scope.cancel()
+    await train_to_the_end(service)
     st = service.stats
     assert steps_during == [0, 0, 0] and st.rounds_averaged == 3 and st.rounds_local == 0
     assert st.sync_wait_s >= 0.9  # three waits of 0.3 s, apart from compute
