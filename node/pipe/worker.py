@@ -285,23 +285,21 @@ class StageWorker:
         self._timed(t0, last_back)
 
     def _visit(self, item: Message, came_from: dict[tuple[int, int], str],
-               seen: set[tuple[int, int]]) -> bool:
+               seen: set[tuple[int, int]]) -> None:
         """Activations in for a visit that is not the micro-batch's last: forward, on to
-        the next visit. False if it was refused (seen, or the stage would not run it)."""
+        the next visit (a visit seen before is stale; one the stage refuses is lost)."""
         key = (item.mb, item.hop)
         if key in seen or key in came_from:
             self.stats.stale += 1
-            return False
+            return
         seen.add(key)
         path = self.paths[item.mb]
         out = self._forward(key, item.tensor, path[item.hop])
-        if out is None:
-            return False
-        came_from[key] = item.sender
-        nxt = item.hop + 1
-        self.post(("next", item.step, item.mb, item.hop), "act", path[nxt].stage, item.step,
-                  item.mb, nxt, out)
-        return True
+        if out is not None:
+            came_from[key] = item.sender
+            nxt = item.hop + 1
+            self.post(("next", item.step, item.mb, item.hop), "act", path[nxt].stage,
+                      item.step, item.mb, nxt, out)
 
     def _back(self, item: Message, came_from: dict[tuple[int, int], str]) -> bool:
         """A gradient for one of our visits past the first: backward, back to the visit
