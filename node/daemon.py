@@ -283,7 +283,9 @@ class Node:
                 after_round=history.after_round if history else None,
                 open_stream=self.webrtc.open_stream,
                 path_of=lambda peer: self.paths.paths().get(peer, "direct"),
-                all_reduce=m.outer.algorithm == "diloco")
+                all_reduce=m.outer.algorithm == "diloco",
+                rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer))
+                                     else None))
             self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
         services.append(TrainingService(

@@ -281,3 +281,20 @@ def test_a_fixed_topology_replaces_pairing_and_random_neighbours():
         assert all(avg.group(r) == ["c", "e"] for r in range(20))
         drawn = Averager(substrate, "run", "a", lambda: live, codecs=["fp32"], neighbours=k)
         assert len({tuple(drawn.group(r)) for r in range(20)}) > 1  # the run's draw varies
+
+
+def test_an_exchange_deadline_grows_with_the_partner_s_round_trip_time():
+    """A far partner (a relay, another continent) spends several round trips before the
+    first vector byte: its deadline holds them, over the transfer and the boundary skew."""
+    from types import SimpleNamespace
+
+    from node.averaging.service import HANDSHAKE_RTTS, Averager
+
+    substrate = SimpleNamespace(set_handler=lambda *args: None, listen=[])
+    rtt = {"near": 0.001, "far": 0.5}
+    avg = Averager(substrate, "run", "a", lambda: ["near", "far"], codecs=["fp32"],
+                   step_time=lambda: 0.2, inner_steps=50, rtt_of=rtt.get)
+    numel = 10_000_000  # 80 MB both ways at the 50 MB/s prior: 1.6 s, x4
+    near, far, unmeasured = (avg.deadline(p, numel) for p in ("near", "far", "new"))
+    assert far - near == pytest.approx(HANDSHAKE_RTTS * (0.5 - 0.001))
+    assert unmeasured == pytest.approx(4 * 1.6 + 0.5 * 50 * 0.2)  # no RTT yet: none added

@@ -41,6 +41,7 @@ log = logging.getLogger("node.averaging")
 
 PROTOCOL_ID = av.PROTOCOL_ID
 MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter than one)
+HANDSHAKE_RTTS = 6  # round trips before the first vector byte, with margin (deadline)
 ALLREDUCE_STEPS = 64  # DiLoCo: step k of round r's all-reduce is exchange round r * 64 + k
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
 
@@ -85,7 +86,8 @@ class Averager:
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
                  open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
                  path_of: Callable[[str], str] | None = None, auto_codec: bool = False,
-                 all_reduce: bool = False) -> None:
+                 all_reduce: bool = False, rtt_of: Callable[[str], float | None] | None = None
+                 ) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -121,6 +123,9 @@ class Averager:
         # waited out every round (the substrate alone calls a punched connection direct).
         self.path_of = path_of or (lambda peer: substrate.peer_paths().get(peer, "direct"))
         self.after_round = after_round
+        # A partner's measured round-trip time in seconds (node/reach/paths.py pings every
+        # connected peer), None until measured: an exchange's handshake costs a few.
+        self.rtt_of = rtt_of or (lambda peer: None)
         # Where the initiator's stream comes from: the substrate, or the webrtc service,
         # which hands out a data channel to a peer reached only through a relay
         # (node/webrtc/); its streams say so in `path`, counted apart below.
@@ -193,11 +198,14 @@ class Averager:
         return self.lanes and failed is None
 
     def deadline(self, partner: str, numel: int) -> float:
-        """Expected transfer (4x margin) plus the skew a partner may have at the boundary."""
+        """Expected transfer (4x margin), the handshake's round trips (opening the stream,
+        offer and accept, the lane's dial: HANDSHAKE_RTTS of the partner's measured RTT),
+        plus the skew a partner may have at the boundary."""
         rate = self.partners.get(partner, PartnerStats()).bytes_per_s
         transfer = 2 * numel * 4 / max(rate, 1e5)
         skew = 0.5 * self.inner_steps * self.step_time()
-        return max(2.0, 4 * transfer + skew)
+        rtt = self.rtt_of(partner) or 0.0
+        return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
 
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
