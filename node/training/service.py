@@ -276,14 +276,16 @@ class TrainingService:
                     st.rounds_local += 1
                 snapshot = trainer.parameters_vector()
                 pending[st.round] = snapshot
+                posted = time.perf_counter()
                 post(Boundary(st.round, snapshot.clone()))
                 if getattr(outer, "synchronous", False):
-                    self._wait_for(st.round, trainer, outer, pending)
+                    self._wait_for(st.round, trainer, outer, pending, posted)
 
-    def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any]) -> None:
+    def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
+                  started: float) -> None:
         """DiLoCo: no inner step before round r's all-reduce is back (the averager's own
-        deadlines bound the wait); the time waited is counted apart from compute."""
-        started = time.perf_counter()
+        deadlines bound the wait); the time waited since the boundary was posted is
+        counted apart from compute."""
         while r in pending and not self._stop.is_set():
             self._apply_outcomes(trainer, outer, pending)
             if r in pending:
