@@ -211,13 +211,16 @@ class Substrate:
         async with (host.run(listen_addrs=self.listen), background_trio_service(pubsub),
                     background_trio_service(router), dht.running(),
                     trio.open_nursery() as nursery):
-            await nursery.start(self.gate.run)
-            await pubsub.wait_until_ready()
-            self.host, self.dht, self.pubsub = host, dht, pubsub
-            self.stats.started += 1
-            self.ready.set()
-            task_status.started()
-            await trio.sleep(math.inf)  # cancelled by the node's shutdown
+            try:
+                await nursery.start(self.gate.run)
+                await pubsub.wait_until_ready()
+                self.host, self.dht, self.pubsub = host, dht, pubsub
+                self.stats.started += 1
+                self.ready.set()
+                task_status.started()
+                await trio.sleep(math.inf)  # cancelled by the node's shutdown
+            finally:  # while the services still hold them: their exits forget them
+                await _close_connections(host)
 
     # -- conveniences ---------------------------------------------------------------
 
@@ -516,3 +519,28 @@ def is_relayed(conn: Any) -> bool:
         return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
     except Exception:  # a connection closing under us: count it as what it most likely was
         return False
+
+
+CLOSE_S = 2.0  # a stopping (or restarting) host closes its connections within this
+
+
+async def _close_connections(host: Any) -> None:
+    """Close every connection of a host that stops, shielded and bounded. py-libp2p's
+    `host.run()` leaves its connections open when cancelled: a process that restarts its
+    host (or a benchmark agent that takes a fresh identity) kept every old connection, and
+    each peer kept counting it against our IP until its per-IP limit refused us (measured:
+    the reach benchmark's relays after ~100 fresh identities from one address). Its own
+    `Swarm.close()` is not enough either: a connection whose close the cancellation
+    interrupted counts as closed there, socket open, so each one's secure channel (and
+    with it the socket) is closed here as well."""
+    with trio.move_on_after(CLOSE_S) as scope:
+        scope.shield = True
+        network = host.get_network()
+        conns = [c for cs in list(network.connections.values()) for c in cs]
+        try:
+            await network.close()
+        except Exception as e:  # best effort: the process may be going down anyway
+            log.debug("closing the host's connections: %r", e)
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.muxed_conn.secured_conn.close()

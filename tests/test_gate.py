@@ -175,3 +175,24 @@ async def test_bytes_of_streams_we_refused_are_dropped_not_held_against_the_send
             assert node.gate.budget.refused["bytes_per_peer"] == 0
             assert node.gate.misbehaviour["over_budget"] == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_host_that_stops_closes_its_connections_so_peers_stop_counting_them():
+    """Three identities in turn from one address, each stopped after connecting (what a
+    restarted host, or the reach benchmark's agents, do): the peer counts each connection
+    against the address only while it is open. py-libp2p alone left the sockets open, and
+    a relay refused that address after ~128 identities (conns_per_ip)."""
+    relay = Substrate(create_new_key_pair(), [LOOPBACK])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve)
+        for _ in range(3):
+            visitor = Substrate(create_new_key_pair(), [LOOPBACK])
+            async with trio.open_nursery() as visit:
+                await visit.start(visitor.serve)
+                await visitor.connect(relay.addrs()[0])
+                await await_until(lambda: relay.gate.budget.conns_by_ip, 10,
+                                  "the relay to count the connection")
+                visit.cancel_scope.cancel()
+            await await_until(lambda: not relay.gate.budget.conns_by_ip, 10,
+                              "the relay to release the stopped host's connection")
+        nursery.cancel_scope.cancel()
