@@ -106,6 +106,9 @@ def partition(quick: Quick = False) -> None:
 def reach(quick: Quick = False,
           attempts: Annotated[int | None, typer.Option(
               help="Attempts per pair of NAT kinds (default 10; 3 with --quick).")] = None,
+          pairs: Annotated[str | None, typer.Option(
+              help="Only these pairs, e.g. home-upnp,upnp-upnp (a section of their own); "
+                   "kinds: public, fullcone, home, symmetric, upnp.")] = None,
           ) -> None:
     """The reachability matrix: path, time to it and success rate for every pair of NAT
     kinds (root: NATs in network namespaces)."""
@@ -113,7 +116,11 @@ def reach(quick: Quick = False,
     from testnet.bench import reach as bench
 
     try:
-        bench.main(quick=quick, attempts=attempts)
+        only = bench.parse_pairs(pairs) if pairs is not None else None
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    try:
+        bench.main(quick=quick, attempts=attempts, only=only)
     except bench.BenchUnavailable as e:
         raise fail(str(e), 2) from None
 

@@ -1,7 +1,7 @@
 """The reachability matrix: which path each pair of NAT kinds ends up on, how long from the
 first dial, and how often.
 
-    node bench reach [--quick] [--attempts N]      (root: NATs in network namespaces)
+    node bench reach [--quick] [--attempts N] [--pairs home-upnp,upnp-upnp]   (root)
 
 Builds the nat scenario's NATs (testnet/nat.py) for two hosts of each kind (public,
 fullcone, home, symmetric, upnp) plus two public relays, each host a process
@@ -161,14 +161,29 @@ def pairs() -> list[tuple[str, str]]:
     return sorted(every, key=lambda p: not (set(p) <= private))
 
 
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """`--pairs home-upnp,upnp-upnp`: the pairs to measure, checked against KINDS."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        x, sep, y = item.partition("-")
+        if not sep or x not in KINDS or y not in KINDS:
+            raise ValueError(f"--pairs: {item!r} is not KIND-KIND with kinds among "
+                             f"{', '.join(KINDS)}")
+        out.append((x, y))
+    return out
+
+
 def main(quick: bool = False, attempts: int | None = None, doc: Path | None = None,
-         keep_logs: Path | None = None) -> str:
+         keep_logs: Path | None = None, only: list[tuple[str, str]] | None = None) -> str:
+    """`only`: measure these pairs (either order) into a section of their own
+    (`reach-pairs`), leaving the full matrix's section as it is."""
     from rich.console import Console
 
     reason = netns.available() or nat.missing_tools({"upnp"})
     if reason:
         raise BenchUnavailable(f"the reach benchmark builds NATs in network namespaces: {reason}")
     n = attempts or (3 if quick else 10)
+    todo = [p for p in pairs() if only is None or p in only or p[::-1] in only]
     console = Console()
     # SIGTERM (and SIGINT where a shell ignored it) unwinds like Ctrl-C: agents stopped,
     # namespaces deleted
@@ -191,7 +206,7 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
                 relay_addrs = [*relay_addrs, agents[r].ask("reset")["addrs"][0]]
             for name in names[len(RELAYS):]:
                 agents[name] = Agent(topo, name, relay_addrs, Path(tmp))
-            for x, y in pairs():
+            for x, y in todo:
                 a, b = f"{x}1", f"{y}2" if x == y else f"{y}1"
                 runs = []
                 for i in range(n):
@@ -200,7 +215,7 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
                     console.print(f"{x} <-> {y} #{i + 1}: {runs[-1]['path']} "
                                   f"{_secs(runs[-1].get('s'))}")
                 results[(x, y)] = runs
-                report(results, n, kinds, load, doc)  # so far: a cut-short run leaves these
+                report(results, n, kinds, load, doc, todo)  # so far: a cut run keeps these
         finally:
             for agent in agents.values():
                 agent.stop()
@@ -209,7 +224,7 @@ def main(quick: bool = False, attempts: int | None = None, doc: Path | None = No
                 shutil.copytree(tmp, keep_logs, dirs_exist_ok=True)
                 (keep_logs / "results.json").write_text(json.dumps(
                     [{"pair": list(k), "runs": v} for k, v in results.items()], indent=1))
-    body = report(results, n, kinds, load, doc)
+    body = report(results, n, kinds, load, doc, todo)
     print_tables(console, [("reachability matrix", HEADERS, table(results, n, kinds))])
     return body
 
@@ -219,12 +234,19 @@ HEADERS = ["pair", "path (attempts)", "time from the first dial to that path: me
 
 
 def report(results: dict[tuple[str, str], list[dict[str, Any]]], n: int,
-           kinds: dict[str, str], load: list[float], doc: Path | None) -> str:
-    """The section of docs/benchmarks.md for the pairs measured so far."""
-    done = "" if len(results) == len(pairs()) else (
-        f" **Cut short: {len(results)} of {len(pairs())} pairs measured.**")
+           kinds: dict[str, str], load: list[float], doc: Path | None,
+           todo: list[tuple[str, str]] | None = None) -> str:
+    """The section of docs/benchmarks.md for the pairs measured so far (`reach`, or
+    `reach-pairs` for a run of some pairs only)."""
+    todo = todo if todo is not None else pairs()
+    done = "" if len(results) == len(todo) else (
+        f" **Cut short: {len(results)} of {len(todo)} pairs measured.**")
+    some = todo != pairs()
+    title = ("## Reachability matrix, some pairs (`node bench reach --pairs "
+             f"{','.join(f'{x}-{y}' for x, y in todo)}`)" if some
+             else "## Reachability matrix (`node bench reach`)")
     body = "\n".join([
-        "## Reachability matrix (`node bench reach`)",
+        title,
         "",
         f"{machine()}; load average {min(load):.1f}-{max(load):.1f} during the run "
         f"(a machine shared with other work).{done}",
@@ -239,8 +261,8 @@ def report(results: dict[tuple[str, str], list[dict[str, Any]]], n: int,
         "",
         md_table(HEADERS, table(results, n, kinds)),
     ])
-    write_section("reach", body, doc or Path(__file__).resolve().parents[2] / "docs" /
-                  "benchmarks.md")
+    write_section("reach-pairs" if some else "reach", body,
+                  doc or Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md")
     return body
 
 
