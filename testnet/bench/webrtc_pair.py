@@ -140,6 +140,9 @@ async def private(args: argparse.Namespace) -> None:
         if key not in rtc.paths():
             out["error"] = rtc.last_error or "no webrtc path"
             (d / f"{args.name}.json").write_text(json.dumps(out))
+            # Stay until the other has looked at its path too: leaving closes our
+            # connections (p2p/host.py), and the other would then find none.
+            await _file(d / f"{args.other}.json", 120)
             nursery.cancel_scope.cancel()
             return
         out["found_s"] = round(time.monotonic() - started, 2)  # includes the 5 s pass tick
