@@ -38,6 +38,14 @@ SINK = "/peertrain-bench/sink/1"
 NUMEL = 1 << 20  # a 4 MB fp32 tensor for the averaging round
 
 
+def _publish(path: Path, out: dict) -> None:
+    """Write a result whole (then rename): the test and the other peer poll for it and
+    read it the moment it exists (a half-written one failed a CI run's JSON decode)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
+
+
 async def _file(path: Path, timeout: float) -> str:
     with trio.fail_after(timeout):
         while not path.exists() or not path.read_text().strip():
@@ -139,7 +147,7 @@ async def private(args: argparse.Namespace) -> None:
         out["webrtc"] = rtc.statistics()
         if key not in rtc.paths():
             out["error"] = rtc.last_error or "no webrtc path"
-            (d / f"{args.name}.json").write_text(json.dumps(out))
+            _publish(d / f"{args.name}.json", out)
             # Stay until the other has looked at its path too: leaving closes our
             # connections (p2p/host.py), and the other would then find none.
             await _file(d / f"{args.other}.json", 120)
@@ -162,7 +170,7 @@ async def private(args: argparse.Namespace) -> None:
                                                       "relay") / 1e6, 2)
             out["mb"] = args.mb
         out["webrtc"] = rtc.statistics()
-        (d / f"{args.name}.json").write_text(json.dumps(out))
+        _publish(d / f"{args.name}.json", out)
         await _file(d / f"{args.other}.json", 120)  # keep answering until the other is done
         nursery.cancel_scope.cancel()
 
