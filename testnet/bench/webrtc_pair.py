@@ -29,6 +29,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from node.files import atomic_write
 from node.reach.relays import RelayService
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.service import WebRtcService
@@ -39,11 +40,10 @@ NUMEL = 1 << 20  # a 4 MB fp32 tensor for the averaging round
 
 
 def _publish(path: Path, out: dict) -> None:
-    """Write a result whole (then rename): the test and the other peer poll for it and
-    read it the moment it exists (a half-written one failed a CI run's JSON decode)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(path)
+    """Write a result whole (node.files.atomic_write): the test and the other peer poll
+    for it and read it the moment it exists (a half-written one failed a CI run's JSON
+    decode)."""
+    atomic_write(path, json.dumps(out).encode())
 
 
 async def _file(path: Path, timeout: float) -> str:
