@@ -142,6 +142,28 @@ def wan(quick: Quick = False,
 
 
 @app.command()
+def paths(quick: Quick = False,
+          rate: Annotated[str, typer.Option(help="Every WAN link's rate, both ways.")] = "100mbit",
+          rtt: Annotated[float, typer.Option(help="Round-trip time added between any two "
+                                             "WAN hosts, in ms.")] = 50.0,
+          mb: Annotated[float | None, typer.Option(
+              help="Megabytes of fp32 weights per exchange (default 16; 4 with --quick).")
+          ] = None,
+          rounds: Annotated[int | None, typer.Option(
+              help="Averaging rounds per path (default 5; 2 with --quick).")] = None,
+          ) -> None:
+    """Averaging over each path kind (direct, upnp, punched, relayed, webrtc) on shaped
+    WAN links: the route, codec, round seconds and wire rate (root: NATs in namespaces)."""
+    from cli.common import fail
+    from testnet.bench import paths as bench
+
+    try:
+        bench.main(quick=quick, rate=rate, rtt_ms=rtt, mb=mb, rounds=rounds)
+    except bench.BenchUnavailable as e:
+        raise fail(str(e), 2) from None
+
+
+@app.command()
 def churn(quick: Quick = False) -> None:
     """Training through churn: 8 nodes, random SIGKILLs and restarts for 10 min (PNG)."""
     from testnet.bench import churn as bench

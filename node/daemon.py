@@ -109,6 +109,7 @@ class Node:
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
         reach = ReachabilityService(upnp=config.upnp)
+        self.ctx.lane_dialable = reach.lane_dialable
         punch = HolePunchService(reach.verdict)
         # WebRTC data channels to peers reached only through a relay (node/webrtc/);
         # averaging opens its streams through it (below).
@@ -282,8 +283,11 @@ class Node:
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
                 open_stream=self.webrtc.open_stream,
-                path_of=lambda peer: self.paths.paths().get(peer, "direct"),
-                all_reduce=m.outer.algorithm == "diloco",
+                # a data channel's path is `webrtc`, not the relay's: no relay budget, so
+                # "auto" decides by its measured rate (adapt.py)
+                path_of=lambda peer: (self.webrtc.paths().get(peer)
+                                      or self.paths.paths().get(peer, "direct")),
+                all_reduce=m.outer.algorithm == "diloco", lane_dialable=ctx.lane_dialable,
                 rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer))
                                      else None))
             self.webrtc.set_handler(av_protocol, averager.handle)

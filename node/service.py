@@ -18,6 +18,7 @@ daemon.py, never a lambda over an attribute that is set later.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +91,11 @@ class NodeContext:
     phases: Phases = field(default_factory=Phases)
     device: str = "cpu"
     run: RunContext | None = None  # set once, when the run is known
+    # Can a peer open a TCP connection to a fresh port of ours (a bulk lane's listener)?
+    # Not behind a NAT, and not through a UPnP mapping: a gateway forwards only the
+    # libp2p port it mapped or punched. The daemon sets it from the reach service; a node
+    # that cannot be dialed there offers no lanes and its peers keep the libp2p stream.
+    lane_dialable: Callable[[], bool] = lambda: True
 
     @property
     def peer_id(self) -> str:

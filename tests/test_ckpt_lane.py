@@ -256,3 +256,24 @@ async def test_a_server_without_lanes_serves_on_the_stream_and_refuses_lane_misu
             while server.lanes_open:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_provider_behind_a_nat_offers_no_lane_and_serves_on_the_stream(
+        tmp_path: Path):
+    # A lane is a fresh TCP port of the provider's: behind a NAT nobody can connect to it,
+    # so the provider says so at once (NodeContext.lane_dialable) instead of letting the
+    # asker's dial time out.
+    source, cid, _ = honest_store(tmp_path)
+    server = ckpt_sync.CheckpointServer(source)
+    server.lane_dialable = lambda: False
+    natted, me = (Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(2))
+    natted.set_handler(cx.PROTOCOL_ID, server.handle)
+    async with trio.open_nursery() as nursery:
+        for s in (natted, me):
+            await nursery.start(s.serve)
+        peer = await me.connect(natted.addrs()[0])
+        with trio.fail_after(30):
+            result = await ckpt_sync.pull(me, [peer], cid, CheckpointStore(tmp_path / "a"))
+        assert result.paths == {peer.to_base58(): "stream"}
+        assert server.served_on_lanes == 0 and server.lanes_open == 0
+        nursery.cancel_scope.cancel()

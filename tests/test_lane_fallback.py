@@ -79,3 +79,32 @@ def test_only_a_direct_path_is_offered_a_lane():
     avg = Averager(sub, "run", "me", lambda: list(kinds), codecs=["fp32"],
                    path_of=lambda peer: kinds[peer])
     assert [p for p in kinds if avg._lane_for(p)] == ["a"]
+
+
+async def test_a_responder_behind_a_nat_takes_the_round_on_the_stream(monkeypatch):
+    # The initiator sees a direct path (the NATed responder dialed it) and offers a lane;
+    # the responder knows no one can connect to a fresh port of its own (its reach
+    # verdict: NodeContext.lane_dialable) and answers without one. Measured before this
+    # (`node bench paths`): the initiator's lane dial timed out and the round was lost.
+    dials: list[int] = []
+
+    async def recorded(host: str, port: int, key: bytes, timeout: float):
+        dials.append(port)
+        return await connect_lane(host, port, key, timeout=timeout)
+
+    monkeypatch.setattr(averaging, "connect_lane", recorded)
+    subs, ids, avgs, initiator = averager_pair()
+    responder = avgs[1 - avgs.index(initiator)]
+    responder.lane_dialable = lambda: False
+    vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
+    async with trio.open_nursery() as nursery:
+        for s in subs:
+            await nursery.start(s.serve)
+        await subs[0].connect(subs[1].addrs()[0])
+        outcomes = await exchange_both(avgs, 1, vectors)
+        for i, o in enumerate(outcomes):
+            assert torch.equal(o.partner_thetas[0], vectors[1 - i])
+        assert dials == [] and initiator.lane_failed == {}
+        partner = initiator.partners[responder.me]
+        assert set(partner.sent) == {"stream"}
+        nursery.cancel_scope.cancel()

@@ -226,3 +226,16 @@ async def test_garbage_on_the_autonat_protocol_ends_that_stream_only():
             assert (await autonat.ask(client, server.peer_id, listening)).status == "reached"
         assert server.stats.restarts == 0
         nursery.cancel_scope.cancel()
+
+
+def test_lanes_are_dialable_unless_behind_a_nat_or_only_through_a_mapping():
+    # A bulk lane listens on a fresh port: a NAT forwards none, a UPnP mapping only the
+    # libp2p port. Unknown (loopback testnets never learn) counts as dialable.
+    svc = ReachabilityService()
+    assert svc.lane_dialable()  # unknown
+    svc.state = "private"
+    assert not svc.lane_dialable()
+    svc.state = "public"
+    assert svc.lane_dialable()
+    svc.mapping = Mapping("198.18.9.2", 4001, "198.19.9.2", 4001, 100)
+    assert not svc.lane_dialable()

@@ -86,8 +86,8 @@ class Averager:
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
                  open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
                  path_of: Callable[[str], str] | None = None, auto_codec: bool = False,
-                 all_reduce: bool = False, rtt_of: Callable[[str], float | None] | None = None
-                 ) -> None:
+                 all_reduce: bool = False, rtt_of: Callable[[str], float | None] | None = None,
+                 lane_dialable: Callable[[], bool] = lambda: True) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -122,6 +122,11 @@ class Averager:
         # one. A punched NAT forwards the punched port alone, and a lane dialled there
         # waited out every round (the substrate alone calls a punched connection direct).
         self.path_of = path_of or (lambda peer: substrate.peer_paths().get(peer, "direct"))
+        # As responder we listen for the lane the initiator offered, so we accept it only
+        # where the partner can reach a fresh port of ours (NodeContext.lane_dialable):
+        # from behind a NAT, or a UPnP mapping of the libp2p port alone, the partner's dial
+        # timed out and the round was lost (measured: `node bench paths`).
+        self.lane_dialable = lane_dialable
         self.after_round = after_round
         # A partner's measured round-trip time in seconds (node/reach/paths.py pings every
         # connected peer), None until measured: an exchange's handshake costs a few.
@@ -396,7 +401,7 @@ class Averager:
                                              f"not {offer.numel}"))
                 return
             codec = av.negotiate(offer.codecs, self.codecs)
-            if not (self.lanes and av.LANE_TCP in offer.lanes):
+            if not (self.lanes and av.LANE_TCP in offer.lanes and self.lane_dialable()):
                 await stream.write(ex.accept(codec))
                 slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer,
                                                       _path(stream))

@@ -63,10 +63,12 @@ class CheckpointServer:
         self.served_on_lanes = 0  # of `served`: chunks sent on a bulk lane
         self.lanes_open = 0
         self.lanes_refused = 0  # asked while MAX_LANES were open: the stream carries on
+        self.lane_dialable: Callable[[], bool] = lambda: True  # NodeContext's, once running
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.lane_host = listen_host(ctx.substrate)
+        self.lane_dialable = ctx.lane_dialable
         ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
@@ -109,6 +111,9 @@ class CheckpointServer:
         if not self.lanes or self.lanes_open >= MAX_LANES:
             self.lanes_refused += self.lanes
             await stream.write(cx.refuse(env, "no lane now: ask on the stream", "busy"))
+            return
+        if not self.lane_dialable():  # behind a NAT: the asker could not connect to it
+            await stream.write(cx.refuse(env, "no lane here: ask on the stream", "busy"))
             return
         self.lanes_open += 1
         try:

@@ -753,6 +753,13 @@ class PipelineService:
         if msg.kind in ("act", "tgt"):  # our micro-batch will not come back
             self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason))
 
+    def _lane_host(self) -> str | None:
+        """Where we listen for a sender's bulk lane; None (no lanes) where a sender could
+        not connect to it (behind a NAT: NodeContext.lane_dialable)."""
+        if self._ctx is not None and not self._ctx.lane_dialable():
+            return None
+        return self.lane_host
+
     async def _handle(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
@@ -762,7 +769,7 @@ class PipelineService:
                 self.counters["refused: no stage yet"] += 1
                 return
             await serve_stream(stream, peer, self._expect(), self.claim, self.inbox,
-                               self.counters, lane_host=self.lane_host)
+                               self.counters, lane_host=self._lane_host())
         finally:
             try:
                 with trio.move_on_after(2):

@@ -96,6 +96,13 @@ class ReachabilityService:
         """Whether we hold a UPnP mapping now (the path service asks)."""
         return self.mapping is not None
 
+    def lane_dialable(self) -> bool:
+        """Can a peer connect to a fresh TCP port of ours (a bulk lane's listener)? Not
+        from behind a NAT, nor through a UPnP mapping: it maps the libp2p port alone.
+        Unknown counts as yes (loopback testnets never learn; a lane that fails falls
+        back to the libp2p stream)."""
+        return self.state != "private" and self.mapping is None
+
     async def _wait(self, sub: Substrate) -> None:
         """Until the next check: the interval, or sooner if our candidates changed."""
         wait = self.interval_s if self.state != "unknown" else self.retry_s

@@ -6,12 +6,23 @@ line on stdin, answering one JSON line each on stdout:
 
 * `{"cmd": "reset"}`: a fresh identity and listen port (a node seen for the first time;
   no TIME_WAIT or conntrack state left from the last attempt), connected to the relays;
+  options: `"punch": false` (no hole punching), `"webrtc": true` (the webrtc service, as
+  a node runs it), `"average": true` (the averaging service, for `exchange`: imports
+  torch);
 * `{"cmd": "state", "peer": id}`: reachability, reservations, addresses, the path to
   `peer` and its punch state;
 * `{"cmd": "dial", "peer": id, "addrs": [...]}`: dial like a node's redialer (each
   address in order, 5 s each: direct ones first, relayed last) and from then on record
   every change of the path to `peer`, with the time since the dial began;
-* `{"cmd": "timeline", "peer": id}`: what that recording holds.
+* `{"cmd": "timeline", "peer": id}`: what that recording holds;
+* `{"cmd": "exchange", "peer": id, "round": r, "mb": MB}`: one averaging round with
+  `peer` (who must be told the same at the same time) of MB megabytes of fp32 weights
+  under `outer.codec = "auto"`, answered when it is over: whether it returned the
+  other's vector, its seconds, the codec, and the bytes by route (lane, stream, webrtc).
+  `step_s` and `inner_steps` set the round's boundary slack as a run's would
+  (node/averaging/service.py `deadline`).
+
+`node bench reach` uses the first four; `node bench paths` (testnet/bench/paths.py) all.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from node.reach.paths import PathService
 from node.reach.punch import HolePunchService
 from node.reach.relays import RelayService
 from node.reach.service import ReachabilityService
+from node.webrtc.service import WebRtcService
 from p2p.host import DialError, Substrate
 
 DIAL_TIMEOUT_S = 5.0  # the redialer's
@@ -39,22 +51,49 @@ DIAL_TIMEOUT_S = 5.0  # the redialer's
 class Incarnation:
     """One identity on one port with its services; replaced on each reset."""
 
-    def __init__(self, ip: str) -> None:
+    def __init__(self, ip: str, *, punch: bool = True, webrtc: bool = False,
+                 average: bool = False) -> None:
         self.sub = Substrate(create_new_key_pair(), [f"/ip4/{ip}/tcp/0"])
         self.reach = ReachabilityService(retry_s=2.0)
         self.relay = RelayService(self.reach.verdict, tick_s=0.5, retry_s=10.0)
         self.punch = HolePunchService(self.reach.verdict, tick_s=0.5)
         self.paths = PathService([self.punch.label], upnp_mapped=self.reach.mapped,
                                  every_s=5.0)
+        self.webrtc = WebRtcService(self.reach.verdict) if webrtc else None
+        self.services: list[Any] = [self.reach, self.relay, *([self.punch] if punch else []),
+                                    self.paths, *([self.webrtc] if self.webrtc else [])]
+        self.averager: Any = None
+        self.partner: list[str] = []
+        self.step_s, self.inner_steps = 0.5, 50
+        if average:
+            self._averager()
         self.timelines: dict[str, dict[str, Any]] = {}
         self.scope = trio.CancelScope()
+
+    def _averager(self) -> None:
+        """The node's averaging service as a daemon builds it for `outer.codec = "auto"`
+        (node/daemon.py): streams through the webrtc service, lanes on direct paths."""
+        from node.averaging import adapt
+        from node.averaging.service import PROTOCOL_ID, Averager
+
+        self.averager = Averager(
+            self.sub, "bench", self.sub.peer_id.to_base58(), lambda: self.partner,
+            codecs=adapt.supported(adapt.AUTO), auto_codec=True,
+            step_time=lambda: self.step_s, inner_steps=self.inner_steps,
+            open_stream=self.webrtc.open_stream if self.webrtc else None,
+            path_of=lambda peer: self.path(peer) or "direct",
+            rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer)) else None),
+            lane_dialable=self.reach.lane_dialable)
+        if self.webrtc is not None:
+            self.webrtc.set_handler(PROTOCOL_ID, self.averager.handle)
+        self.services.append(self.averager)
 
     async def run(self, relays: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.scope:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.sub.serve)
                 ctx = SimpleNamespace(substrate=self.sub)
-                for svc in (self.reach, self.relay, self.punch, self.paths):
+                for svc in self.services:
                     await nursery.start(svc.run, ctx)
                 for addr in relays:
                     try:
@@ -74,8 +113,14 @@ class Incarnation:
                 await host.get_network().close()
         self.scope.cancel()
 
+    def path(self, peer: str) -> str | None:
+        """The path as `node status` shows it: webrtc while a data channel carries it."""
+        if self.webrtc is not None and peer in self.webrtc.paths():
+            return self.webrtc.paths()[peer]
+        return self.paths.paths().get(peer)
+
     def state(self, peer: str | None) -> dict[str, Any]:
-        path = self.paths.paths().get(peer) if peer else None
+        path = self.path(peer) if peer else None
         return {"peer_id": self.sub.peer_id.to_base58(), "addrs": self.sub.addrs(),
                 "reach": self.reach.state, "via": self.reach.via,
                 "reservations": len(self.relay.held), "path": path,
@@ -93,7 +138,7 @@ class Incarnation:
         async def watch() -> None:
             last = None
             while True:
-                path = self.paths.paths().get(peer)
+                path = self.path(peer)
                 if path != last:
                     tl["transitions"].append([round(time.monotonic() - start, 3), path])
                     last = path
@@ -108,6 +153,31 @@ class Incarnation:
                 continue
             tl["dialed"] = [round(time.monotonic() - start, 3), addr]
             return
+
+
+    async def exchange(self, peer: str, r: int, mb: float, step_s: float, inner_steps: int
+                       ) -> dict[str, Any]:
+        """One averaging round with `peer` (see the module docstring)."""
+        import torch
+
+        if self.averager is None:
+            return {"error": "reset with \"average\": true first"}
+        self.partner[:] = [peer]
+        self.step_s, self.averager.inner_steps = step_s, inner_steps
+        vec = torch.randn(int(mb * 1e6 / 4), generator=torch.Generator().manual_seed(r))
+        path = self.path(peer)
+        before = self.averager.partners.get(peer)
+        sent0 = dict(before.sent) if before else {}
+        t0 = time.monotonic()
+        outcome = await self.averager.exchange(r, vec)
+        seconds = time.monotonic() - t0
+        st = self.averager.partners.get(peer)
+        routes = {k: v - sent0.get(k, 0) for k, v in (st.sent if st else {}).items()
+                  if v - sent0.get(k, 0)}
+        return {"ok": bool(outcome.partner_thetas), "seconds": round(seconds, 3),
+                "path": path, "codec": st.last_codec if st else None, "sent": routes,
+                "deadline_s": round(self.averager.deadline(peer, vec.numel()), 2),
+                "lane_failed": peer in self.averager.lane_failed}
 
 
 async def main(ip: str, relays: list[str]) -> None:
@@ -125,7 +195,9 @@ async def main(ip: str, relays: list[str]) -> None:
                 if cmd == "reset":
                     if current is not None:
                         await current.close()
-                    current = Incarnation(ip)
+                    current = Incarnation(ip, punch=req.get("punch", True),
+                                          webrtc=req.get("webrtc", False),
+                                          average=req.get("average", False))
                     await outer.start(current.run, relays)
                     out = current.state(None)
                 elif current is None:
@@ -137,6 +209,10 @@ async def main(ip: str, relays: list[str]) -> None:
                     out = {"ok": True}
                 elif cmd == "timeline":
                     out = current.timelines.get(req["peer"], {})
+                elif cmd == "exchange":
+                    out = await current.exchange(req["peer"], int(req["round"]),
+                                                 float(req["mb"]), float(req.get("step_s", 0.5)),
+                                                 int(req.get("inner_steps", 50)))
                 else:
                     out = {"error": f"unknown command {cmd!r}"}
             except Exception as e:
