@@ -288,6 +288,7 @@ class Node:
                 path_of=lambda peer: (self.webrtc.paths().get(peer)
                                       or self.paths.paths().get(peer, "direct")),
                 all_reduce=m.outer.algorithm == "diloco", lane_dialable=ctx.lane_dialable,
+                relay_limit=int(m.network.relay_exchange_mb * 1e6),
                 rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer))
                                      else None))
             self.webrtc.set_handler(av_protocol, averager.handle)

@@ -49,6 +49,7 @@ SCHEMA = 1  # the manifest format this module reads and writes
 MAX_MANIFEST_BYTES = 64 * 1024  # the demo manifest is ~2 KiB; 64 KiB leaves room for prose
 MAX_ERRORS = 20  # problems listed per error; the rest are counted
 RUN_ID_LENGTH = multihash.ID_LENGTH  # "Qm...": base58 of a sha2-256 multihash
+RELAY_EXCHANGE_MB = 64.0  # network.relay_exchange_mb: its default
 _BASE58 = multihash.BASE58_ALPHABET
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -252,6 +253,12 @@ class NetworkSection(_Section):
     bootstrap: Annotated[tuple[Multiaddr, ...], BeforeValidator(_tuple),
                          Field(max_length=64)] = ()
     admins: Annotated[tuple[PeerId, ...], BeforeValidator(_tuple), Field(max_length=64)] = ()
+    # The largest averaging exchange, in MB each way on the wire, sent through a circuit
+    # relay: a relay is a volunteer's uplink with a byte budget per circuit (docs/nat.md).
+    # Partners reached only through a relay average when the codec's payload fits, else
+    # both take a local step. 0: never through a relay. Left out of the canonical bytes
+    # at its default, so every run-id from before it stays the same.
+    relay_exchange_mb: Annotated[Float, Field(ge=0, le=1e6)] = RELAY_EXCHANGE_MB
 
 
 class Manifest(_Section):
@@ -546,6 +553,8 @@ def canonical_bytes(manifest: Manifest) -> bytes:
     doc = manifest.model_dump(mode="json", by_alias=True)
     if doc.get("pipeline") is None:  # no pipeline: the bytes every manifest had before it
         doc.pop("pipeline", None)
+    if doc["network"].get("relay_exchange_mb") == RELAY_EXCHANGE_MB:  # likewise
+        doc["network"].pop("relay_exchange_mb")
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 

@@ -68,3 +68,45 @@ async def test_an_auto_exchange_shrinks_to_int8_once_the_link_is_measured_slow()
         theirs = vectors[1 - avgs.index(initiator)]
         assert (got - theirs).abs().max() < 2 * theirs.abs().max() / 127  # int8's step
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("codec", "limit", "averaged"), [
+    ("auto", 2 * NUMEL, True),    # int8 through a relay: NUMEL bytes + scales fit in 2x
+    ("auto", NUMEL // 2, False),  # even int8 is over the limit
+    ("bf16", NUMEL, False),       # a named codec is what goes: 2 bytes a value
+    ("bf16", 3 * NUMEL, True),
+])
+async def test_a_relayed_partner_is_averaged_with_only_under_the_runs_relay_limit(
+        codec, limit, averaged):
+    # network.relay_exchange_mb: both sides see the relayed path and decide alike, so a
+    # payload over the limit costs a local step at once (no deadline waited out), counted.
+    kwargs = {"codecs": adapt.supported(codec), "auto_codec": codec == adapt.AUTO,
+              "path_of": lambda peer: "relayed via QmRelay", "relay_limit": limit}
+    subs, ids, avgs, _ = averager_pair(**kwargs)
+    vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
+    async with trio.open_nursery() as nursery:
+        for s in subs:
+            await nursery.start(s.serve)
+        await subs[0].connect(subs[1].addrs()[0])
+        with trio.fail_after(10):  # well under the round's deadline when kept off
+            outcomes = await exchange_both(avgs, 1, vectors)
+        for i, (avg, o) in enumerate(zip(avgs, outcomes, strict=True)):
+            partner = avg.statistics()["partners"][ids[1 - i]]
+            if averaged:
+                assert len(o.partner_thetas) == 1 and partner["kept_off_relay"] == 0
+            else:
+                assert o.partner_thetas == [] and partner["kept_off_relay"] == 1
+                assert partner["failures"] == 0 and partner["bytes_sent"] == {}
+        nursery.cancel_scope.cancel()
+
+
+def test_the_relay_limit_is_a_manifest_field_that_keeps_old_run_ids():
+    base = mf.parse_manifest('[run]\nname = "r"\n')
+    assert base.network.relay_exchange_mb == mf.RELAY_EXCHANGE_MB
+    assert "relay_exchange_mb" not in mf.canonical_bytes(base).decode()  # same bytes as before
+    small = mf.parse_manifest('[run]\nname = "r"\n[network]\nrelay_exchange_mb = 8\n')
+    assert small.network.relay_exchange_mb == 8.0
+    assert mf.parse_canonical(mf.canonical_bytes(small)) == small
+    assert mf.run_id(mf.canonical_bytes(small)) != mf.run_id(mf.canonical_bytes(base))
+    with pytest.raises(mf.ManifestError, match="network.relay_exchange_mb"):
+        mf.parse_manifest('[run]\nname = "r"\n[network]\nrelay_exchange_mb = -1\n')

@@ -93,7 +93,7 @@ async def test_a_responder_behind_a_nat_takes_the_round_on_the_stream(monkeypatc
         return await connect_lane(host, port, key, timeout=timeout)
 
     monkeypatch.setattr(averaging, "connect_lane", recorded)
-    subs, ids, avgs, initiator = averager_pair()
+    subs, _ids, avgs, initiator = averager_pair()
     responder = avgs[1 - avgs.index(initiator)]
     responder.lane_dialable = lambda: False
     vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]

@@ -35,6 +35,7 @@ from node.training.rounds import Outcome
 from p2p.host import Substrate
 from p2p.timing import Timings
 from protocols import averaging as av
+from protocols import codecs as _codecs
 from protocols.errors import RemoteProtocolError
 
 log = logging.getLogger("node.averaging")
@@ -60,6 +61,7 @@ class PartnerStats:
     # codec; not the wait at the boundary): what `outer.codec = "auto"` decides by.
     wire_bytes_per_s: float | None = None
     last_codec: str | None = None
+    kept_off_relay: int = 0  # rounds skipped: the payload was over network.relay_exchange_mb
 
 
 @dataclass
@@ -87,7 +89,8 @@ class Averager:
                  open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
                  path_of: Callable[[str], str] | None = None, auto_codec: bool = False,
                  all_reduce: bool = False, rtt_of: Callable[[str], float | None] | None = None,
-                 lane_dialable: Callable[[], bool] = lambda: True) -> None:
+                 lane_dialable: Callable[[], bool] = lambda: True,
+                 relay_limit: int | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -127,6 +130,10 @@ class Averager:
         # from behind a NAT, or a UPnP mapping of the libp2p port alone, the partner's dial
         # timed out and the round was lost (measured: `node bench paths`).
         self.lane_dialable = lane_dialable
+        # The manifest's network.relay_exchange_mb in bytes (None: no limit): a partner
+        # reached only through a relay is averaged with only while the codec's payload
+        # fits; else both sides take a local step at once, as both see the relayed path.
+        self.relay_limit = relay_limit
         self.after_round = after_round
         # A partner's measured round-trip time in seconds (node/reach/paths.py pings every
         # connected peer), None until measured: an exchange's handshake costs a few.
@@ -154,7 +161,7 @@ class Averager:
         return {"partners": {p: {"mb_per_s": round(s.bytes_per_s / 1e6, 1),
                                  "wire_mb_per_s": None if s.wire_bytes_per_s is None
                                  else round(s.wire_bytes_per_s / 1e6, 2),
-                                 "codec": s.last_codec,
+                                 "codec": s.last_codec, "kept_off_relay": s.kept_off_relay,
                                  "exchanges": s.exchanges, "failures": s.failures,
                                  "bytes_sent": dict(s.sent), "bytes_received": dict(s.received),
                                  "last_exchange_unix": s.last_exchange_unix,
@@ -202,6 +209,32 @@ class Averager:
             failed = None
         return self.lanes and failed is None
 
+    def _over_relay_limit(self, partner: str, numel: int) -> str | None:
+        """Why `partner` is not averaged with now, if it is reached only through a relay
+        and our payload to it is over the run's relay limit; else None."""
+        path = self.path_of(partner)
+        if self.relay_limit is None or not path.startswith("relayed"):
+            return None
+        setting = adapt.AUTO if self.auto_codec else self.codecs[0]
+        codec = adapt.offer(setting, numel, path=path, wire_rate=None, round_s=0.0)[0]
+        size = _codecs.max_encoded_size(codec, numel)
+        if size <= self.relay_limit:
+            return None
+        return (f"reached only {path}: a {codec} exchange of {size / 1e6:.1f} MB is over "
+                f"the run's network.relay_exchange_mb ({self.relay_limit / 1e6:.1f} MB)")
+
+    def _kept_off_relay(self, partner: str, numel: int) -> bool:
+        """`_over_relay_limit`, counted per partner and logged the first time."""
+        why = self._over_relay_limit(partner, numel)
+        if why is None:
+            return False
+        st = self.partners.setdefault(partner, PartnerStats())
+        if not st.kept_off_relay:
+            log.info("%s %s; local steps until a direct, punched or webrtc path appears",
+                     partner, why)
+        st.kept_off_relay += 1
+        return True
+
     def deadline(self, partner: str, numel: int) -> float:
         """Expected transfer (4x margin), the handshake's round trips (opening the stream,
         offer and accept, the lane's dial: HANDSHAKE_RTTS of the partner's measured RTT),
@@ -242,11 +275,12 @@ class Averager:
         # At most MAX_IN_FLIGHT exchanges with one partner at a time: rounds shorter than an
         # exchange (a tiny model on a fast CPU) would otherwise pile up streams to it, which
         # its guard refuses over its per-protocol budget. The rest of the round is local.
-        partners = [p for p in self.group(r) if self._in_flight[p] < MAX_IN_FLIGHT]
+        numel = int(snapshot.numel())
+        partners = [p for p in self.group(r) if self._in_flight[p] < MAX_IN_FLIGHT
+                    and not self._kept_off_relay(p, numel)]
         if not partners:
             return Outcome(r, [])
         results: dict[str, Any] = {}
-        numel = int(snapshot.numel())
         async with trio.open_nursery() as nursery:
             for p in partners:
                 nursery.start_soon(self._with_partner, r, p, snapshot, numel, results)
@@ -376,6 +410,8 @@ class Averager:
             reason = f"round {r} is over here (at {self._current})"
         elif peer not in self.group(r):
             reason = f"not my partner in round {r}"
+        elif (why := self._over_relay_limit(peer, offer.numel)) is not None:
+            reason = why
         if reason:
             log.info("refused offer from %s: %s", peer, reason,
                      extra={"peer": peer, "reason": "offer"})

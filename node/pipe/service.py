@@ -257,7 +257,9 @@ class PipelineService:
         self.averager = Averager(
             ctx.substrate, self._replica_key(), ctx.peer_id, self._replica_partners,
             codecs=adapt.supported(o.codec), auto_codec=o.codec == adapt.AUTO, group_size=2,
-            step_time=self.progress.step_time, inner_steps=o.inner_steps, stats=self.progress)
+            step_time=self.progress.step_time, inner_steps=o.inner_steps, stats=self.progress,
+            path_of=self.path_of, lane_dialable=ctx.lane_dialable,
+            relay_limit=int(self.m.network.relay_exchange_mb * 1e6))
         return self.averager
 
     def _replica_key(self) -> str:
