@@ -108,5 +108,5 @@ def test_the_relay_limit_is_a_manifest_field_that_keeps_old_run_ids():
     assert small.network.relay_exchange_mb == 8.0
     assert mf.parse_canonical(mf.canonical_bytes(small)) == small
     assert mf.run_id(mf.canonical_bytes(small)) != mf.run_id(mf.canonical_bytes(base))
-    with pytest.raises(mf.ManifestError, match="network.relay_exchange_mb"):
+    with pytest.raises(mf.ManifestError, match=r"network\.relay_exchange_mb"):
         mf.parse_manifest('[run]\nname = "r"\n[network]\nrelay_exchange_mb = -1\n')
