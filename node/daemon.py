@@ -112,10 +112,16 @@ class Node:
         self.ctx.lane_dialable = reach.lane_dialable
         punch = HolePunchService(reach.verdict)
         # WebRTC data channels to peers reached only through a relay (node/webrtc/);
-        # averaging opens its streams through it (below).
+        # averaging and checkpoint pulls open their streams through it.
         self.webrtc = WebRtcService(reach.verdict)
         # Path kinds other services label (the punch's; a WebRTC transport adds its own).
         self.paths = PathService([punch.label], upnp_mapped=reach.mapped)
+        self.ctx.open_stream = self.webrtc.open_stream
+        # a data channel's path is `webrtc`, not the relay's: no relay budget, no lane
+        self.ctx.path_of = lambda peer: (self.webrtc.paths().get(peer)
+                                         or self.paths.paths().get(peer, "direct"))
+        checkpoint_server = CheckpointServer(self.ctx.checkpoints)
+        self.webrtc.set_handler(checkpoint_server.protocols[0], checkpoint_server.handle)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps,
@@ -123,7 +129,7 @@ class Node:
             self.metrics,
             GuardService(gate),
             self.manifests,
-            CheckpointServer(self.ctx.checkpoints),
+            checkpoint_server,
             self.redialer,
             reach,
             RelayService(reach.verdict),
@@ -282,11 +288,7 @@ class Node:
                 stats=run.progress, neighbours=neighbours(m),
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
-                open_stream=self.webrtc.open_stream,
-                # a data channel's path is `webrtc`, not the relay's: no relay budget, so
-                # "auto" decides by its measured rate (adapt.py)
-                path_of=lambda peer: (self.webrtc.paths().get(peer)
-                                      or self.paths.paths().get(peer, "direct")),
+                open_stream=ctx.open_stream, path_of=ctx.path_of,
                 all_reduce=m.outer.algorithm == "diloco", lane_dialable=ctx.lane_dialable,
                 relay_limit=int(m.network.relay_exchange_mb * 1e6),
                 rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer))

@@ -18,7 +18,7 @@ daemon.py, never a lambda over an attribute that is set later.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,6 +96,11 @@ class NodeContext:
     # libp2p port it mapped or punched. The daemon sets it from the reach service; a node
     # that cannot be dialed there offers no lanes and its peers keep the libp2p stream.
     lane_dialable: Callable[[], bool] = lambda: True
+    # Streams and path kinds as the node's transports see them (the daemon sets both): a
+    # peer reached only through a relay may have a WebRTC data channel (node/webrtc/),
+    # which averaging and checkpoint pulls then use. None: the substrate's streams.
+    open_stream: Callable[[Any, str], Awaitable[Any]] | None = None
+    path_of: Callable[[str], str] = lambda peer: "direct"
 
     @property
     def peer_id(self) -> str:

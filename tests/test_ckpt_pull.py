@@ -132,7 +132,8 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
     synced.set()
     service = CheckpointService(publish=lambda delta: None, synced=synced)
     ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me,
+                          phases=Phases(), substrate=me, open_stream=None,
+                          path_of=lambda peer: "direct",
                           checkpoints=CheckpointStore(tmp_path / "me"))
     async with trio.open_nursery() as nursery:
         for s in (holder, me):

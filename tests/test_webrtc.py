@@ -14,6 +14,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from node.averaging.service import Averager
+from node.checkpoints.exchange import CheckpointServer, pull
+from node.checkpoints.store import CheckpointStore
 from node.reach.relays import RelayService
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.bridge import AsyncioThread
@@ -21,12 +23,14 @@ from node.webrtc.service import WebRtcService
 from node.webrtc.session import RtcSession, gather_only
 from p2p.host import Substrate
 from protocols import averaging as av
+from protocols import ckpt_exchange as cx
 from protocols import webrtc_signal as sig
 from protocols.wire import Envelope, encode_envelope
 from tests.conftest import await_until
 
 NUMEL = 500_000  # 2 MB of fp32 each way
 
+RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 A = ID.from_base58("12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo")
 B = ID.from_base58("12D3KooWGzh3wB7XLHMDVHRrS9dphnHxfYaPZfvV8ZDa6nRA4ELt")
 
@@ -110,7 +114,8 @@ async def _relayed_pair(nursery):
     return nodes
 
 
-async def test_two_relayed_peers_get_a_webrtc_path_and_average_over_it(caplog) -> None:
+async def test_two_relayed_peers_get_a_webrtc_path_and_average_and_pull_over_it(
+        caplog, tmp_path) -> None:
     caplog.set_level(logging.INFO, logger="node.webrtc")
     caplog.set_level(logging.DEBUG, logger="node.averaging")
     gather_only(["127.0.0.1"])
@@ -148,6 +153,23 @@ async def test_two_relayed_peers_get_a_webrtc_path_and_average_over_it(caplog) -
             stats = avgs[i].partners[ids[1 - i]]
             assert set(stats.sent) == {"webrtc"} and stats.sent["webrtc"] >= NUMEL * 4
             assert stats.received["webrtc"] >= NUMEL * 4 and not stats.received["stream"]
+
+        # a checkpoint pull over the data channel too: B serves, A pulls as a node does
+        # (its streams from the webrtc service, lanes only on direct paths)
+        source = CheckpointStore(tmp_path / "b")
+        cid = source.save(RUN, 7, {"w": torch.randn(300_000)})
+        server = CheckpointServer(source)
+        rtc_b.set_handler(cx.PROTOCOL_ID, server.handle)
+
+        def path_of(peer: str) -> str:
+            return rtc_a.paths().get(peer) or a.peer_paths().get(peer, "direct")
+
+        with trio.fail_after(60):
+            pulled = await pull(a, [b.peer_id], cid, CheckpointStore(tmp_path / "a"),
+                                open_stream=rtc_a.open_stream, path_of=path_of)
+        assert pulled.paths == {ids[1]: "webrtc"} and pulled.fetched_bytes > 1_000_000
+        assert server.served >= 2 and server.served_on_lanes == 0
+        assert CheckpointStore(tmp_path / "a").latest_ok(cid)
         for sub in (r, a, b):
             assert sub.handler_errors == 0
         nursery.cancel_scope.cancel()

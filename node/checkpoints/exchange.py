@@ -247,8 +247,10 @@ def _read(store: CheckpointStore, kind: str, cid: str, index: int | None) -> byt
 class _Session:
     """One stream to one provider, requests in sequence."""
 
-    def __init__(self, substrate: Substrate, peer: ID) -> None:
+    def __init__(self, substrate: Substrate, peer: ID,
+                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None) -> None:
         self.substrate, self.peer = substrate, peer
+        self.open_stream = open_stream or substrate.open_stream
         self.stream: INetStream | None = None
         self.decoder = cx.RESPONSE_LIMITS.decoder()
 
@@ -257,7 +259,7 @@ class _Session:
 
     async def ask_envelope(self, request: bytes) -> Envelope:
         if self.stream is None:
-            self.stream = await self.substrate.open_stream(self.peer, cx.PROTOCOL_ID)
+            self.stream = await self.open_stream(self.peer, cx.PROTOCOL_ID)
         await self.stream.write(request)
         env = await next_event(self.stream, self.decoder)
         if not isinstance(env, Envelope):
@@ -296,7 +298,7 @@ class PullResult:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     chunks_by_peer: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
-    paths: dict[str, str] = field(default_factory=dict)  # peer -> "lane" or "stream"
+    paths: dict[str, str] = field(default_factory=dict)  # peer -> "lane", "stream", "webrtc"
     asked: int = 0  # providers asked, the lookup's (more_providers) included
 
     @property
@@ -310,7 +312,8 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                check: Callable[[ck.CheckpointManifest], None] | None = None,
                lanes: bool = True,
                more_providers: Callable[[], Awaitable[list[ID]]] | None = None,
-               ) -> PullResult:
+               open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
+               path_of: Callable[[str], str] | None = None) -> PullResult:
     """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
 
     `check` sees the verified manifest before any chunk is fetched and may refuse it by
@@ -320,6 +323,10 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     the peers it names are used too, as soon as it returns (or first, if none of
     `providers` serves the manifest). A joiner then does not wait for the lookup when the
     checkpoint's writer is at hand.
+    `open_stream`: where streams come from (a node passes the webrtc service's: a data
+    channel to a provider reached only through a relay); `path_of`: each provider's path
+    kind (node/reach/paths.py), so lanes are asked of `direct` providers only (a lane is a
+    new TCP dial to the provider's address: through a relay or a NAT it cannot connect).
     """
     started = time.monotonic()
     reasons: list[str] = []
@@ -346,9 +353,12 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
         else:
             looked_up.set()
         try:
-            result = await _pull(substrate, providers, cid, store, chunk_timeout, progress,
-                                 check, lanes, started, lacking, reasons, looked_up,
-                                 lambda: lookup or [])
+            result = await _pull(
+                lambda peer: _Session(substrate, peer, open_stream), providers, cid, store,
+                chunk_timeout, progress, check,
+                lambda name: lanes and (path_of is None or path_of(name) == "direct"),
+                lambda name: "webrtc" if path_of and path_of(name) == "webrtc" else "stream",
+                started, lacking, reasons, looked_up, lambda: lookup or [])
         except Exception as e:  # raised below, plain: not in the nursery's exception group
             error = e
         finally:
@@ -359,9 +369,11 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     return result
 
 
-async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: CheckpointStore,
-                chunk_timeout: float, progress: Callable[[int, int], None],
-                check: Callable[[ck.CheckpointManifest], None] | None, lanes: bool,
+async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid: str,
+                store: CheckpointStore, chunk_timeout: float,
+                progress: Callable[[int, int], None],
+                check: Callable[[ck.CheckpointManifest], None] | None,
+                lane_for: Callable[[str], bool], route_of: Callable[[str], str],
                 started: float, lacking: set[ID], reasons: list[str], looked_up: trio.Event,
                 found: Callable[[], list[ID]]) -> PullResult:
     manifest = None
@@ -376,7 +388,7 @@ async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: Chec
             continue
         peer = todo_peers[0]
         asked.append(peer)
-        session = _Session(substrate, peer)
+        session = session_for(peer)
         try:
             with trio.fail_after(chunk_timeout):
                 req = next(_ids)
@@ -503,10 +515,10 @@ async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: Chec
 
     async def worker(peer: ID) -> None:
         name = peer.to_base58()
-        session = _Session(substrate, peer)
+        session = session_for(peer)
         try:
             lane = None
-            if lanes:
+            if lane_for(name):
                 try:
                     with trio.fail_after(chunk_timeout):
                         lane = await session.open_lane(cid)
@@ -521,9 +533,9 @@ async def _pull(substrate: Substrate, providers: list[ID], cid: str, store: Chec
                              name, e)
                 if lane is not None or session.stream is not None:
                     await session.close()  # the lane request ended that stream's session
-                    session = _Session(substrate, peer)
+                    session = session_for(peer)
             if lane is None:
-                result.paths[name] = "stream"
+                result.paths[name] = route_of(name)
                 await on_stream(session, name)
                 return
             result.paths[name] = "lane"

@@ -12,9 +12,10 @@ For each connected peer whose only path is a relay, the peer with the smaller id
    CONNECT_TIMEOUT_S; on failure the relay stays the path and the offer is retried after
    a backoff (RETRY_S, doubling up to MAX_RETRY_S).
 
-While a session is up, `open_stream` gives the protocols that registered here (averaging)
-a data channel (node/webrtc/channel.py) instead of a relayed libp2p stream, and `node
-status` shows the peer's path as `webrtc`. A direct path, when one appears, wins again.
+While a session is up, `open_stream` gives the protocols that registered here (averaging,
+checkpoint pulls) a data channel (node/webrtc/channel.py) instead of a relayed libp2p
+stream, and `node status` shows the peer's path as `webrtc`. A direct path, when one
+appears, wins again.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ and `rtt` ms of round trip between any two WAN hosts (the relayed path crosses i
 For each case two hosts (testnet/bench/reach_agent.py processes, the node's own reach,
 webrtc and averaging services) start afresh, one dials the other as a node's redialer does,
 and once the path is the case's, they run `rounds` averaging rounds of `mb` megabytes of
-fp32 weights under `outer.codec = "auto"` (bf16 on a fast path, int8 through a relay):
+fp32 weights under `outer.codec = "auto"` (bf16 on a fast path, int8 through a relay),
+GAP_S apart (connections idle between rounds, as in a run):
 
 * direct: two public hosts (a bulk lane carries the vectors);
 * NAT to public: a home-NAT host dials a public one (a direct TCP connection, one side
@@ -40,6 +41,11 @@ from testnet.bench.report import machine, md_table, print_tables, write_section
 
 READY_S = 60.0
 PATH_S = 90.0  # a punch, or ICE after its pass interval, lands well inside this
+# Between rounds: a run's rounds are tens of seconds apart, and after an idle spell
+# longer than its retransmit timeout TCP starts a connection over from slow start (Linux's
+# tcp_slow_start_after_idle), so back-to-back rounds would flatter a warm connection
+# against a lane (a new connection each round).
+GAP_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,8 @@ def run_case(agents: dict[str, Agent], case: Case, rounds: int, mb: float, step_
     path_s = time.monotonic() - since
     results = []
     for r in range(1, rounds + 1):
+        if r > 1:
+            time.sleep(GAP_S)
         for name in pair:
             other = pair[1] if name == pair[0] else pair[0]
             agents[name].send("exchange", peer=ids[other], round=r, mb=mb, step_s=step_s,
@@ -218,7 +226,8 @@ def report(results: dict[str, dict[str, Any]], cases: list[Case], rate: str, rtt
         f"path crosses it twice). Per case, two hosts started afresh run the node's reach, "
         f"webrtc and averaging services (testnet/bench/reach_agent.py); once the path is "
         f"the case's, {rounds} averaging rounds of {mb:g} MB of fp32 weights with "
-        f"`outer.codec = \"auto\"`, both sides at the boundary together. Round seconds: "
+        f"`outer.codec = \"auto\"`, {GAP_S:g} s apart, both sides at the boundary together. "
+        f"Round seconds: "
         f"the slower side's, boundary to the other's vector received; wire MB/s: both "
         f"directions' bytes (after the codec) over that. The first round includes what a "
         f"first exchange with a peer costs (a lane offered, the rate unknown).",
