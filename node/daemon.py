@@ -212,7 +212,8 @@ class Node:
         ctx.membership.attach(document)
         ctx.device = config.device  # what was asked ("auto"), until torch says what it is
         ctx.run = RunContext(run_id, manifest, document, TrainingStats())
-        rundoc = RunDocSync()
+        rundoc = RunDocSync(first_peers=[self.manifests.source] if self.manifests.source
+                            else [])
         services: list[Service] = [
             HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s),
             rundoc,

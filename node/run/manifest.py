@@ -43,6 +43,9 @@ class ManifestService:
     def __init__(self) -> None:
         self.served = 0
         self.unknown = 0
+        # The peer whose manifest we took (a run member that provides it, or the node we
+        # dialed): a joiner's first run-document sync asks it at once.
+        self.source: str | None = None
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
@@ -104,7 +107,9 @@ class ManifestService:
                 for peer in candidates:
                     tried.add(peer)
                     try:
-                        return await fetch_manifest(substrate, peer, run_id)
+                        manifest = await fetch_manifest(substrate, peer, run_id)
+                        self.source = peer.to_base58()
+                        return manifest
                     except mf.ManifestError as e:
                         rejected = True
                         reasons[peer.to_base58()] = f"served a bad manifest: {e}"
