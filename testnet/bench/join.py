@@ -60,6 +60,25 @@ QUICK = {"d_model": 64, "n_layers": 2, "every": 100}  # ~2 s apart, not 0.35
 
 
 
+def _pull_failures(log: Path, most: int = 6) -> list[str]:
+    """The last lines of a joiner's node.log that say why its checkpoint pull failed."""
+    words = ("checkpoint", "anti-entropy", "provider", "stream")
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return [f"no node.log ({e})"]
+    hits = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        msg = str(rec.get("msg") or rec.get("message") or "")
+        if rec.get("level") in ("warning", "error") or any(w in msg for w in words):
+            hits.append(f"{rec.get('level', '?')} {msg}"[:300])
+    return hits[-most:]
+
+
 def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[str, Any]:
     """Start joiner `name`, wait for its first step, stop it; its phases in seconds."""
     spawned = time.time()
@@ -78,9 +97,11 @@ def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[
         launcher.kill_node(net, name)
     t = st["phase_times"]
     download = (st.get("checkpoints") or {}).get("download") or {}
-    size = 0
+    size, why = 0, []
     if download.get("cid") and download.get("served_by"):  # else the pull failed (logged)
         size = CheckpointStore(Path(proc.state_dir)).manifest(download["cid"]).size
+    else:  # the joiner's own account: its state directory goes with the testnet
+        why = _pull_failures(Path(proc.state_dir) / "node.log")
     ran = t.get("running", t["first step"])
     ready = t.get("loading torch", ran)  # the checkpoint service is ready (pulled) here
     dl_start = t.get("downloading checkpoint")
@@ -98,6 +119,7 @@ def join_once(net: launcher.Testnet, name: str, timeout: float = 300.0) -> dict[
         "total": st["started_unix"] - spawned + t["first step"],
         "torch_import": (st.get("torch_import") or {}).get("seconds") or 0.0,
         "mb": size / 1e6,
+        "why": why,
         "providers": download.get("providers", 0),
         "served_by": download.get("served_by", 0),
         "step": download.get("step"),
@@ -199,7 +221,9 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
                 "finish within its bound (5 s, 30 s until torch is loaded), so the run document "
                 "they held listed no checkpoint, or the pull failed (node.log says why, and "
                 "how long the first anti-entropy round took: retention on the writer can drop "
-                "a checkpoint during a slow download).")
+                "a checkpoint during a slow download). What their node.log said:\n\n"
+                + "\n".join(f"- join{i}: " + ("; ".join(r.get("why") or []) or "nothing")
+                            for i, r in enumerate(results, 1) if not r["served_by"]))
         pulled = [r for r in results if r["served_by"]]
         if pulled and all(r["served_by"] == 1 for r in pulled):
             notes.append(
