@@ -100,13 +100,16 @@ async def test_a_lookup_beside_the_pull_is_not_waited_for_and_its_providers_are_
         nursery.cancel_scope.cancel()
 
 
-async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_path: Path):
+async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_path: Path,
+                                                                         monkeypatch):
     """Retention on the writer can drop the checkpoint a joiner is pulling (a small model
     checkpointing every second on a loaded machine): the joiner takes the newer one the run
     document lists by then, instead of training from scratch. A checkpoint that stays the
-    newest and unserved is tried once."""
+    newest and unserved is asked for again after a pause (a provider too loaded to open a
+    stream in time), PULL_TRIES times in all."""
     from types import SimpleNamespace
 
+    from node.checkpoints import service as ckpt_service
     from node.checkpoints.service import CheckpointService
     from node.service import Phases
     from protocols import keys, rundoc
@@ -143,7 +146,8 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
             assert await service._pull_newest(ctx) == newer
         assert service.download["served_by"] == 1 and service.download["step"] == 20
         assert torch.equal(ctx.checkpoints.load(newer)[1]["w"], held.load(newer)[1]["w"])
-        # Nothing newer is listed after a failure: one try, then from scratch.
+        # Nothing newer is listed after a failure: the same one again, then from scratch.
+        monkeypatch.setattr(ckpt_service, "PULL_RETRY_S", 0.05)
         doc.set(rundoc.ckpt_key(writer.peer_id, gone), {"hash": gone, "step": 30, "size": 1}, 3)
         tries = []
 
@@ -154,5 +158,5 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
         holder.set_handler(cx.PROTOCOL_ID, count)
         with trio.fail_after(30):
             assert await service._pull_newest(ctx) is None
-        assert len(tries) == 1
+        assert len(tries) == ckpt_service.PULL_TRIES
         nursery.cancel_scope.cancel()

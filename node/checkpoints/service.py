@@ -33,7 +33,11 @@ PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint
 SYNC_WAIT_S = 5.0  # joining: how long to wait for a first run-document sync (a first node
 # has nobody to sync with)
 SYNC_WAIT_LOADING_S = 30.0  # ... and while torch still loads (the wait then costs nothing)
-PULL_TRIES = 3  # joining: checkpoints tried, newest first, before training from scratch
+PULL_TRIES = 3  # joining: pulls tried, of the newest listed checkpoint each time
+# ... and the pause before the same one is asked for again. Under load a provider's host
+# can take longer than py-libp2p's 10 s protocol negotiation: `node bench join` at load 12
+# had 2 of 3 joiners train from scratch on one "failed to open a stream to peer <writer>".
+PULL_RETRY_S = 3.0
 
 
 def ckpt_provider_key(cid: str) -> str:
@@ -99,18 +103,19 @@ class CheckpointService:
         ctx.phases.enter("finding providers")
         self._load_torch()
         tried: list[str] = []
-        while len(tried) < PULL_TRIES:
-            entries = checkpoint_index(run.document)
-            if not entries or entries[-1][1] in tried:
-                break
-            step, cid, writer = entries[-1]
-            tried.append(cid)
-            if await self._pull(ctx, step, cid, writer):
-                return cid
+        for _ in range(PULL_TRIES):
             # Its holders may have dropped it while we pulled (retention keeps the newest
             # `checkpoint.keep`: seconds of a small fast model on a loaded machine, CI of
             # 2026-11-26): the run document then lists a newer one, and that one is taken.
-        log.warning("no checkpoint fetched (tried %s); starting from scratch", ", ".join(tried))
+            # Else the same one again, after a pause (PULL_RETRY_S).
+            if tried and checkpoint_index(run.document)[-1][1] in tried:
+                await trio.sleep(PULL_RETRY_S)
+            step, cid, writer = checkpoint_index(run.document)[-1]
+            tried.append(cid)
+            if await self._pull(ctx, step, cid, writer):
+                return cid
+        log.warning("no checkpoint fetched (tried %s); starting from scratch",
+                    ", ".join(dict.fromkeys(tried)))
         return None
 
     async def _pull(self, ctx: NodeContext, step: int, cid: str, writer: str) -> bool:
