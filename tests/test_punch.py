@@ -117,6 +117,26 @@ def _refuse_dial_peer(sub: Substrate, peer) -> None:
     network.dial_peer = refusing
 
 
+def _other_dials_first(punch: HolePunchService, driver: Substrate) -> None:
+    """The driver's punch dials once the other side's dial is in. Through a NAT that drops
+    unsolicited packets (tests/test_nat_punch.py) the first SYN dies at the NAT and the
+    SYNs that cross make one connection. On loopback nothing drops it: the driver's dial
+    (upgraded as the responder, as DCUtR's driver is) could reach the other side's
+    listener, a responder too; the handshake failed, and the failed connection's TIME_WAIT
+    held the same 4-tuple for 60 s, so every retry failed with EADDRNOTAVAIL (ci71 of
+    2026-11-26). The driver's own dial then fails at once, and the punch counts the other
+    side's connection (`_mark`), as it does when the peer's SYN gets in first."""
+    dcutr = punch._protocol(driver)
+    dial = dcutr._perform_hole_punch
+
+    async def after_the_other(pid, addrs, as_responder=False):
+        await await_until(lambda: HolePunchService._direct_conns(driver, pid), 20,
+                          "the other side's punch dial")
+        return await dial(pid, addrs, as_responder=as_responder)
+
+    dcutr._perform_hole_punch = after_the_other
+
+
 @pytest.fixture
 def punch_logs(caplog):
     caplog.set_level(logging.INFO, logger="node.punch")
@@ -132,9 +152,6 @@ async def test_a_relayed_pair_is_punched_by_one_side_and_shown_as_punched(punch_
     relays = {r: RelayService(lambda: "public", want=1, tick_s=0.2, direct=False),
               a: RelayService(lambda: "private", want=1, tick_s=0.2, direct=False),
               b: RelayService(lambda: "private", want=1, tick_s=0.2, direct=False)}
-    # On loopback the two simultaneous dials sometimes collide (both fail: the same
-    # 4-tuple from both ends, no NAT in between); the retry is what a lost round gets in
-    # the field too, here after 0.5 s instead of 30.
     punches = {s: HolePunchService(lambda: "private", tick_s=0.2, close_relayed_after_s=0.5,
                                    backoff=Backoff(first_s=0.5, max_s=0.5, attempts=6))
                for s in (a, b)}
@@ -154,10 +171,11 @@ async def test_a_relayed_pair_is_punched_by_one_side_and_shown_as_punched(punch_
         await b.connect(r.addrs()[0])
         await a.connect(r.addrs()[0])
         await await_until(lambda: relays[a].held and relays[b].held, 20, "the reservations")
+        driver, other = (a, b) if a.peer_id.to_base58() < b.peer_id.to_base58() else (b, a)
+        _other_dials_first(punches[driver], driver)
         # a knows b only by its relayed address (b's LAN addresses would answer here)
         relayed = f"{r.addrs()[0]}/p2p-circuit/p2p/{b.peer_id.to_base58()}"
         await a.connect(relayed)
-        driver, other = (a, b) if a.peer_id.to_base58() < b.peer_id.to_base58() else (b, a)
         await await_until(lambda: punches[driver].counts["punched"] == 1, 60, "the punch")
         peer_of = {a: b, b: a}
         for s in (a, b):
