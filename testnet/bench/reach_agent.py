@@ -64,7 +64,7 @@ class Incarnation:
                                     self.paths, *([self.webrtc] if self.webrtc else [])]
         self.averager: Any = None
         self.partner: list[str] = []
-        self.step_s, self.inner_steps = 0.5, 50
+        self.step_s = 0.5  # the trainer's step time the averager's deadlines assume
         if average:
             self._averager()
         self.timelines: dict[str, dict[str, Any]] = {}
@@ -79,7 +79,7 @@ class Incarnation:
         self.averager = Averager(
             self.sub, "bench", self.sub.peer_id.to_base58(), lambda: self.partner,
             codecs=adapt.supported(adapt.AUTO), auto_codec=True,
-            step_time=lambda: self.step_s, inner_steps=self.inner_steps,
+            step_time=lambda: self.step_s,
             open_stream=self.webrtc.open_stream if self.webrtc else None,
             path_of=lambda peer: self.path(peer) or "direct",
             rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer)) else None),
@@ -115,9 +115,8 @@ class Incarnation:
 
     def path(self, peer: str) -> str | None:
         """The path as `node status` shows it: webrtc while a data channel carries it."""
-        if self.webrtc is not None and peer in self.webrtc.paths():
-            return self.webrtc.paths()[peer]
-        return self.paths.paths().get(peer)
+        rtc = self.webrtc.paths().get(peer) if self.webrtc is not None else None
+        return rtc or self.paths.paths().get(peer)
 
     def state(self, peer: str | None) -> dict[str, Any]:
         path = self.path(peer) if peer else None
@@ -153,7 +152,6 @@ class Incarnation:
                 continue
             tl["dialed"] = [round(time.monotonic() - start, 3), addr]
             return
-
 
     async def exchange(self, peer: str, r: int, mb: float, step_s: float, inner_steps: int
                        ) -> dict[str, Any]:
