@@ -73,12 +73,6 @@ ADDRS_FILE = "addrs.json"
 # of a 7-node digits testnet timed out, heartbeats arrived ~9 s late). A forced switch
 # costs nothing while trio sleeps in epoll, where it holds no GIL.
 SWITCH_INTERVAL_S = 0.0002
-# A joiner's round-trip-bound start (dial, discover, first run-document sync, provider
-# lookup: ~1.5 s on the loaded 2-core machine without torch beside it, longer at load 15)
-# runs before the background torch import; this bounds how long torch waits for it
-# (node/preload.py). The trainer needs the checkpoint anyway, and its download overlaps
-# the import: only a slow start followed by a short download loses by waiting.
-TORCH_HOLD_S = 8.0
 
 
 class Node:
@@ -150,10 +144,7 @@ class Node:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             if self.config.run_id is not None and self.config.train:
-                # torch loads in the background while we download the checkpoint, and from
-                # TORCH_HOLD_S on whatever the node is doing (node/preload.py says why not
-                # from the start).
-                nursery.start_soon(preload.start_after, TORCH_HOLD_S)
+                preload.start()  # torch loads while the node joins (node/preload.py)
             await nursery.start(ctx.substrate.serve)
             await nursery.start(ctx.publisher.run)
             for service in self.services:
@@ -224,19 +215,14 @@ class Node:
             from node.training.build import check_swarm_algorithm
 
             check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
-        if config.train and manifest.pipeline is not None:
-            # A stage host pulls no checkpoint (its own stage checkpoint stays on its disk:
-            # node/pipe/stage_ckpt.py): torch can load now, beside the stage choice.
-            preload.start()
-        elif config.train:
+        if config.train and manifest.pipeline is None:  # a stage host pulls no checkpoint
             from node.checkpoints.service import CheckpointService
 
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
             # is still loading in the background (node/preload.py).
             self._checkpoints = CheckpointService(publish=rundoc.publish,
                                                   synced=rundoc.first_sync,
-                                                  still_loading=preload.pending,
-                                                  load_torch=preload.start)
+                                                  still_loading=preload.pending)
             services.append(self._checkpoints)
         return services
 

@@ -8,18 +8,17 @@ bootstrap peers, discovers the run and pulls the newest checkpoint; the training
 trio thread may import a torch-importing module before `ready()` returns: Python's import
 lock would block the event loop until the background import finishes.
 
-The import competes with the trio thread for the GIL, and that costs the round trips of a
-join far more than the import's CPU share suggests: every socket call releases the GIL,
-and getting it back from the import thread on an oversubscribed machine waits for the OS
-to run that thread again (a GIL convoy). Measured on the shared 2-core machine at load
-~9, 4 trainers running: a joiner's connect, discover, first run-document sync and
-provider lookup took 1.3 s without the import beside them and 5-20 s with it (every
-multistream negotiation of the joiner took 4-6 s while torch loaded; the trio loop itself
-was never late by more than 0.5 s). So the daemon starts the import only when the join's
-round trips are done (`start()` as the checkpoint download begins, or when there is none
-to fetch) or after a bound (`start_after`, node/daemon.py): the bulk download and the
-import overlap, the chatty part does not. The CLI's own imports (libp2p's) are CPU work
-too, so starting torch before them gained nothing there.
+The import competes with the trio thread for the GIL, and every round trip of the join
+(dial, discovery, the first run-document sync) takes longer beside it: on the 2-core
+machine among 4 trainers, connect + discover + sync took 1.3 s without the import and
+2.8 s with it (`node bench join`, 2026-11-26). The import is still started as the node
+starts: it is the join's longest part (2.5 s of CPU: torch, then torch._dynamo, which
+torch.optim imports on first use), so started when the checkpoint download began, the
+joiner waited for it after the download; started at once, the median join to first step
+went from 7.6 s to 6.3 s. (Until 2026-11-26 the import was held until the download began:
+measured at load ~9 while the testnet's nodes each had a session of their own (docs/
+architecture.md, "Testnet"), the joiner got a fifth of the CPU and the round trips took
+5-20 s beside the import.)
 """
 
 from __future__ import annotations
@@ -45,12 +44,6 @@ def start() -> None:
             return
         _thread = threading.Thread(target=_load, name="peertrain-torch-import", daemon=True)
         _thread.start()
-
-
-async def start_after(seconds: float) -> None:
-    """`start()` after `seconds`, unless something started the import sooner."""
-    await trio.sleep(seconds)
-    start()
 
 
 def _load() -> None:

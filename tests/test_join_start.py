@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import trio
 import trio.testing
 
-from node import preload
 from node.membership import heartbeats
 from node.membership.heartbeats import HeartbeatService
 
@@ -33,17 +32,3 @@ def test_a_new_nodes_first_heartbeats_come_sooner_then_every_interval():
     first = heartbeats.FIRST_BEATS
     assert gaps[:first] == [heartbeats.FIRST_BEATS_S] * first
     assert gaps[first:] == [1.0] * (len(gaps) - first) and len(gaps) > first
-
-
-def test_the_torch_import_is_held_until_its_bound(monkeypatch):
-    started: list[float] = []
-    monkeypatch.setattr(preload, "start", lambda: started.append(trio.current_time()))
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(preload.start_after, 8.0)
-            await trio.sleep(7.9)
-            assert started == []
-        assert started == [8.0]
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

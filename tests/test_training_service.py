@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
+import pytest
 import torch
 import trio
 
@@ -11,7 +14,7 @@ from node.optim.noloco import NoLoCo, NoLoCoConfig
 from node.trainer.loop import TrainConfig, Trainer
 from node.trainer.tasks import TaskConfig, build_task
 from node.training.rounds import Outcome
-from node.training.service import TrainingService
+from node.training.service import TRAINER_NICE, TrainingService
 from tests.conftest import await_until
 
 H = 5
@@ -81,6 +84,42 @@ async def test_outcomes_are_applied_and_late_rounds_fall_back_to_local_steps():
     assert st.rounds_averaged == 3 and st.last_partner == "peer-a"
     assert st.rounds_local == 2
     assert st.compute_s > 0 and 0 < st.snapshot()["compute_fraction"] <= 1
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or sys.platform != "linux",
+                    reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_the_build_and_a_one_thread_first_step_run_at_the_node_priority(threads):
+    """The end of a join (build, first step) is not niced; the training after it is. A
+    trainer of several torch threads is niced before its first step (its worker threads
+    keep the nice they start with), and the build runs outside the trainer thread."""
+    base = _nice()
+    seen: dict[str, object] = {}
+
+    def make():
+        seen["build"] = (threading.current_thread().name, _nice())
+        trainer = Trainer(build_task(TaskConfig(name="digits-mlp")),
+                          TrainConfig(batch_size=16, eval_every=0, threads=threads))
+        step = trainer.step
+
+        def recorded_step():
+            seen.setdefault("steps", []).append(_nice())
+            return step()
+
+        trainer.step = recorded_step
+        return trainer, None, H
+
+    service = TrainingService(make, None, max_steps=3)
+    await train_to_the_end(service)
+    name, build_nice = seen["build"]
+    assert name.startswith("peertrain-build") and build_nice == base
+    niced = min(base + TRAINER_NICE, 19)
+    first = base if threads == 1 else niced
+    assert seen["steps"] == [first, niced, niced]
 
 
 async def test_applied_outer_step_keeps_progress_made_since_the_snapshot():

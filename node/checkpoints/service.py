@@ -49,17 +49,12 @@ class CheckpointService:
     protocols = ()  # /peertrain/ckpt/1.0.0 is served by CheckpointServer on every node
 
     def __init__(self, publish: Callable[[bytes], None], synced: trio.Event,
-                 still_loading: Callable[[], bool] = lambda: False,
-                 load_torch: Callable[[], None] = lambda: None) -> None:
+                 still_loading: Callable[[], bool] = lambda: False) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
         # True while the trainer could not start anyway (torch is held or loading:
         # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
-        # Starts the background torch import (node/preload.py), held until the round trips
-        # of the join are done: the download overlaps it, and with no checkpoint to fetch
-        # the trainer needs torch at once.
-        self._load_torch = load_torch
         self.download: dict[str, Any] | None = None
         self.saved = 0
         self.failed = 0
@@ -71,7 +66,6 @@ class CheckpointService:
         self._ctx = ctx
         run_id = ctx.the_run().run_id
         self.resume_from = ctx.checkpoints.latest(run_id) or await self._pull_newest(ctx)
-        self._load_torch()
         # Whatever we hold, written before a restart or just pulled, the next joiner can
         # fetch from us too (until retention drops it).
         dht = ctx.substrate.dht
@@ -101,7 +95,6 @@ class CheckpointService:
         if not checkpoint_index(run.document):
             return None
         ctx.phases.enter("finding providers")
-        self._load_torch()
         tried: list[str] = []
         for _ in range(PULL_TRIES):
             # Its holders may have dropped it while we pulled (retention keeps the newest

@@ -206,11 +206,10 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
                      f"{total:.1f} s). The costliest phases (medians): {top}.")
         notes.append(
             "torch is imported in a background thread (node/preload.py; `torch import s` is "
-            "that thread's own time, start to end) that starts when the checkpoint download "
-            "begins (or 8 s after the node's start, or at once when there is nothing to "
-            "fetch): beside the import, every round trip of the join (dial, DHT, stream "
-            "negotiation, the run-document sync) took several times longer (a GIL convoy), "
-            "while the bulk download loses less. `wait for torch` is what is left of the "
+            "that thread's own time, start to end) that starts with the node: beside it, the "
+            "round trips of the join (dial, DHT, stream negotiation, the run-document sync) "
+            "take longer (the GIL's hand-off), but the import is the join's longest part. "
+            "`wait for torch` is what is left of the "
             "import when the checkpoint is in (0 when it finished first). The trainer is "
             "built from the newest checkpoint right after.")
         failed = sum(1 for r in results if not r["served_by"])
@@ -347,9 +346,10 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"- download: the newest checkpoint in the run document, from every provider asked "
         f"in parallel, on a bulk lane where the provider offers one (TCP + AES-256-GCM keyed "
         f"over the libp2p stream, 4 chunk requests in flight; else the libp2p stream), every "
-        f"chunk verified (torch starts loading in a background thread here);\n"
+        f"chunk verified (torch loads in a background thread from the node's start);\n"
         f"- wait for torch: the rest of the background import, once the checkpoint is in;\n"
-        f"- build trainer: model built, training data read, checkpoint verified and loaded;\n"
+        f"- build trainer: model built, training data read, checkpoint verified and loaded "
+        f"(at the node's priority, like the first step; the trainer is niced after);\n"
         f"- first step: one training step, while {nodes} trainers share the machine's cores."
         f"\n\nWhat a checkpoint of this model holds (one safetensors file, 4 MiB chunks): "
         f"the weights (25.5 MB fp32), AdamW's two moments (51 MB), and NoLoCo's outer "
