@@ -185,6 +185,10 @@ def test_killed_nodes_come_back_with_their_peer_ids_and_the_run_converges(testne
         "every run document to hold what every replica held after the churn",
     )
 
+    # A checkpoint every 40 steps: a node that trained on past the churn may not be there
+    # yet on a loaded machine (ci80: node1 at step ~20 when it was stopped).
+    wait_until(lambda: all(CheckpointStore(Path(p.state_dir)).list(net.run_id)
+                           for p in trainers), 300, "a checkpoint on every node")
     pids = [p.pid for p in net.procs]
     launcher.down(directory)
     assert not any(launcher.alive(pid) for pid in [*pids, net.churn_pid or 0] if pid)
