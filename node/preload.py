@@ -8,17 +8,14 @@ bootstrap peers, discovers the run and pulls the newest checkpoint; the training
 trio thread may import a torch-importing module before `ready()` returns: Python's import
 lock would block the event loop until the background import finishes.
 
-The import competes with the trio thread for the GIL, and every round trip of the join
-(dial, discovery, the first run-document sync) takes longer beside it: on the 2-core
-machine among 4 trainers, connect + discover + sync took 1.3 s without the import and
-2.8 s with it (`node bench join`, 2026-11-26). The import is still started as the node
-starts: it is the join's longest part (2.5 s of CPU: torch, then torch._dynamo, which
-torch.optim imports on first use), so started when the checkpoint download began, the
-joiner waited for it after the download; started at once, the median join to first step
-went from 7.6 s to 6.3 s. (Until 2026-11-26 the import was held until the download began:
-measured at load ~9 while the testnet's nodes each had a session of their own (docs/
-architecture.md, "Testnet"), the joiner got a fifth of the CPU and the round trips took
-5-20 s beside the import.)
+The import competes with the trio thread for the GIL, so every round trip of the join
+(dial, discovery, the first run-document sync) takes longer beside it, and until
+2026-11-26 the import was held until the checkpoint download began (measured then at load
+~9: the round trips took 1.3 s without the import, 5-20 s with it). It starts with the
+node now: on a 16-core GPU machine the join waited 6.7-8.1 s for the CUDA build of torch
+after its download (docs/benchmarks.md, "On a GPU"), and on the 2-core machine among 4
+trainers both orders measured the same (`node bench join`: median 6.6 s from the start,
+6.9 s held, loads 2-5).
 """
 
 from __future__ import annotations

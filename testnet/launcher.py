@@ -123,14 +123,14 @@ def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
                                            for a in argv)]
         env = {**env, NETNS_ENV: topo.ns(name)}
     log = open(state_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
-    # A process group of its own (Ctrl-C at the terminal does not reach it; `down` signals
-    # the group) in the launcher's session, not a session of its own: with the kernel's
-    # autogroup scheduling each session is one group with an equal CPU share, so the
-    # trainers' nice (node/training/service.py) only yielded to their own trio thread. In
-    # one session every node's network thread, and a joiner importing torch, run before
-    # any trainer: torch's import beside 4 trainers on 2 cores 3.1-3.6 s -> 1.7-1.9 s.
+    # A session of its own: Ctrl-C at the terminal does not reach it, `down` signals its
+    # group, and under Linux's autogroup scheduling each node gets an equal share of the
+    # CPU, as separate machines would (the trainers' nice then yields to their own trio
+    # thread only). Tried on 2026-11-26: every node in the launcher's session made a joiner
+    # beside 4 trainers much faster (docs/benchmarks.md, join history) but changed which
+    # node outpaces which, and the sybil and pipeline scenario tests failed in 2 of 3 runs.
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                         process_group=0, env=env,
+                         start_new_session=True, env=env,
                          preexec_fn=None if detached else _pdeathsig)
     log.close()
     return Proc(name, str(state_dir), p.pid, args)
@@ -409,7 +409,7 @@ def start_churn(net: Testnet, config: ChurnConfig) -> list[Kill]:
     log = open(Path(net.dir) / "churn.log", "ab")  # noqa: SIM115 - handed to the child
     p = subprocess.Popen([sys.executable, "-m", "testnet.churn_driver", net.dir],
                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                         process_group=0, env=env,
+                         start_new_session=True, env=env,
                          preexec_fn=None if net.detached else _pdeathsig)
     log.close()
     net.churn_pid = p.pid
