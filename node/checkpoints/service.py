@@ -52,7 +52,7 @@ class CheckpointService:
                  still_loading: Callable[[], bool] = lambda: False) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
-        # True while the trainer could not start anyway (torch is held or loading:
+        # True while the trainer could not start anyway (torch is still loading:
         # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
         self.download: dict[str, Any] | None = None
