@@ -50,27 +50,17 @@ def _load() -> None:
     # a niced import took 55 s instead of ~9 s on the shared 2-core machine at load 11-17
     # (every nice-0 process of the machine ran first).
     try:
-        # torch and what it imports on first use, nothing of ours: a module of ours being
-        # imported here (waiting on torch) would hold its import lock, and the trio thread
-        # importing it too (node.daemon shares modules with node.averaging) would block.
-        _warm_up()
+        # torch only, nothing of ours: a module of ours being imported here (waiting on
+        # torch) would hold its import lock, and the trio thread importing it too
+        # (node.daemon shares modules with node.averaging) would block. There is no
+        # warm-up step since the trainer's AdamW is our own (node/trainer/adamw.py):
+        # torch.optim's imported torch._dynamo on first use, as long as torch itself.
+        import torch  # noqa: F401
     except BaseException as e:  # reported by wait(): the node says why it cannot train
         _error = e
     finally:
         _seconds = time.perf_counter() - began
         _done.set()
-
-
-def _warm_up() -> None:
-    """One AdamW step on a 2x2 layer: torch imports more on first use, and the biggest is
-    torch._dynamo (4.4 s of a 5.8 s trainer build, measured on the dev machine), which
-    `torch.optim.AdamW.__init__` imports through its `_disable_dynamo` wrapper."""
-    import torch
-
-    layer = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(layer.parameters())
-    layer(torch.ones(1, 2)).sum().backward()
-    opt.step()
 
 
 def wait() -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from node.pipeline.schedule import Hop, execution_order
 from node.pipeline.stages import Stage, own_parameters
+from node.trainer.adamw import AdamW
 
 
 class PipelineFull(RuntimeError):
@@ -45,9 +46,9 @@ class StageOptim:
     lr_scale: float = 1.0
 
 
-def make_optimizer(stage: Stage, cfg: StageOptim) -> torch.optim.Optimizer:
+def make_optimizer(stage: Stage, cfg: StageOptim) -> AdamW:
     """A fresh Adam(W) over the stage's own parameters (zero moments)."""
-    return torch.optim.AdamW(own_parameters(stage), lr=cfg.lr * cfg.lr_scale,
+    return AdamW(own_parameters(stage), lr=cfg.lr * cfg.lr_scale,
                              betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 

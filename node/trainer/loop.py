@@ -14,9 +14,10 @@ Seeding (NoLoCo needs identical initial weights on every replica, spec section 1
 - evaluation uses the same fixed batches on every call and on every replica, so validation
   losses are comparable across time and peers.
 
-Inner optimiser: AdamW, betas (0.9, 0.95), weight decay on matrices and embeddings only
-(nanoGPT), linear warm-up then cosine decay to a floor of lr/10, gradient clipping at 1.0
-(spec sections 0d and 1d). Its state is never reset or averaged by the outer step.
+Inner optimiser: AdamW (our own, node/trainer/adamw.py: torch.optim's imports
+torch._dynamo), betas (0.9, 0.95), weight decay on matrices and embeddings only (nanoGPT),
+linear warm-up then cosine decay to a floor of lr/10, gradient clipping at 1.0 (spec
+sections 0d and 1d). Its state is never reset or averaged by the outer step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from node.device import resolve as resolve_device
 
+from .adamw import AdamW
 from .errors import ConfigError, DeviceMemoryError, TrainerError
 from .memory_fit import estimate, shortfall
 from .tasks import Task
@@ -137,7 +139,7 @@ class Trainer:
 
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = AdamW(
             [
                 {"params": decay, "weight_decay": config.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},

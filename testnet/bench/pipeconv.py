@@ -37,6 +37,7 @@ from node.pipeline import Stage, build_stages, path
 from node.pipeline.runner import clip_and_norm
 from node.pipeline.stages import copy_vector_into
 from node.trainer import TaskConfig, TrainConfig, build_task
+from node.trainer.adamw import AdamW
 from node.trainer.loop import lr_at
 from node.trainer.models import GPTConfig
 from node.trainer.tasks import Task
@@ -115,12 +116,12 @@ def _train_config(cfg: PipeConfig) -> TrainConfig:
     return TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.steps)
 
 
-def _adamw(stage: Stage, tc: TrainConfig) -> torch.optim.Optimizer:
+def _adamw(stage: Stage, tc: TrainConfig) -> AdamW:
     """The trainer's AdamW: weight decay on matrices only."""
     params = list(stage.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2))
+    return AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2))
 
 
 def _vector(stage: Stage) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""node/trainer/adamw.py against torch.optim.AdamW: the same steps bit for bit, and state
+dicts that load into each other (checkpoints of either kind resume on the other)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.trainer.adamw import AdamW
+from node.training.state import from_tensors, to_tensors
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 3))
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _train(model: torch.nn.Module, opt, steps: range, freeze_last_at: int = -1) -> None:
+    """Steps with a learning rate that changes every step (as the trainer's schedule does)
+    and, at `freeze_last_at`, a parameter without a gradient (skipped, as torch does)."""
+    gen = torch.Generator().manual_seed(1)
+    for step in steps:
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 / (1 + step)
+        x = torch.randn(8, 6, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        if step == freeze_last_at:
+            list(model.parameters())[-1].grad = None
+        opt.step()
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_steps_equal_torch_adamw_bit_for_bit() -> None:
+    ours_model, torch_model = _model(), _model()
+    ours = AdamW(_groups(ours_model), lr=1e-2, betas=(0.9, 0.95))
+    ref = torch.optim.AdamW(_groups(torch_model), lr=1e-2, betas=(0.9, 0.95))
+    _train(ours_model, ours, range(12), freeze_last_at=5)
+    _train(torch_model, ref, range(12), freeze_last_at=5)
+    assert _same(ours_model, torch_model)
+    mine, theirs = ours.state_dict(), ref.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for i, s in theirs["state"].items():
+        for name, tensor in s.items():
+            assert torch.equal(mine["state"][i][name], tensor), (i, name)
+
+
+@pytest.mark.parametrize("direction", ["torch->ours", "ours->torch"])
+def test_state_dicts_load_into_each_other_through_a_checkpoint(direction: str) -> None:
+    """A checkpoint (state.py's flattening: betas come back as a list, keys as written)
+    written by one optimizer resumes on the other exactly as on itself."""
+    kinds = {"ours": AdamW, "torch": torch.optim.AdamW}
+    first, second = (kinds[k] for k in direction.split("->"))
+    writer_model = _model()
+    writer = first(_groups(writer_model), lr=1e-2)
+    _train(writer_model, writer, range(4))
+    flat = to_tensors({"m": writer_model.state_dict(), "o": writer.state_dict()})
+    # cloned, as a file read back is: both load_state_dicts take the tensors they are given
+    saved = from_tensors({name: t.clone() for name, t in flat.items()})
+
+    resumed_model = _model(seed=7)
+    resumed_model.load_state_dict(saved["m"])
+    resumed = second(_groups(resumed_model), lr=1e-2)
+    resumed.load_state_dict(saved["o"])
+    _train(writer_model, writer, range(4, 9))
+    _train(resumed_model, resumed, range(4, 9))
+    assert _same(writer_model, resumed_model)
+
+
+def test_a_state_dict_of_another_model_is_refused() -> None:
+    small = AdamW(_groups(_model()))
+    other = torch.nn.Linear(6, 5)
+    bigger = AdamW([{"params": [other.weight, other.bias]}, {"params": []}])
+    with pytest.raises(ValueError, match=r"sizes \[2, 0\], this model's \[2, 2\]"):
+        small.load_state_dict(bigger.state_dict())
+
+
+def test_unknown_group_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "amsgrad": True}])
+
+
+def test_building_and_stepping_imports_no_dynamo() -> None:
+    """The reason this optimizer exists: run in a fresh interpreter, where nothing else
+    imported torch._dynamo yet."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from node.trainer.adamw import AdamW\n"
+            "m = torch.nn.Linear(2, 2); o = AdamW(m.parameters())\n"
+            "m(torch.ones(1, 2)).sum().backward(); o.step(); o.zero_grad()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
