@@ -119,6 +119,16 @@ class RunDocSync:
             nursery.start_soon(self._persist_loop)
             task_status.started()
 
+    def first_candidates(self) -> list[str]:
+        """Until the first round succeeds: the peer that served our manifest, then every
+        peer we are connected to. Live peers are those heard by heartbeat (gossiped every
+        2 s, later under load: a joiner waited 7.6 s for one and then trained from scratch,
+        `node bench join` at load 6). A connected peer outside the run fails the round at
+        once: no protocol (a bootstrap), or a summary of another run (refused)."""
+        me = self.signer.peer_id
+        connected = [p.to_base58() for p in self.substrate.connected_peers()]
+        return [p for p in dict.fromkeys([*self.first_peers, *connected]) if p != me]
+
     def own_entries(self) -> dict[str, Any]:
         assert self._ctx is not None
         ctx = self._ctx
@@ -220,12 +230,12 @@ class RunDocSync:
 
         async with trio.open_nursery() as nursery:
             for tick in itertools.count():
-                if tick or not self.first_peers:
+                if tick:
                     await trio.sleep(0.5)  # a joiner's first pass is at once
                 now = time.monotonic()
                 live = [p for p in self.live_peers() if p != self.signer.peer_id]
                 if not self.first_sync.is_set():
-                    live += [p for p in self.first_peers if p not in live]
+                    live += [p for p in self.first_candidates() if p not in live]
                 # A peer that left our view (a partition, a restart) is synced with as soon
                 # as it is back: what it wrote meanwhile never reaches us by gossip again.
                 self._synced_with.intersection_update(live)
