@@ -56,3 +56,24 @@ def test_one_decision_per_record_for_every_handler():
         b.handle(r)
     assert a.lines == b.lines == ["x0"]
     assert flood.suppressed["junk"] == 2
+
+
+def test_py_libp2p_errors_go_to_node_log_not_the_terminal(tmp_path):
+    """py-libp2p logs routine swarm events at ERROR ("fail to upgrade mux for peer ...")
+    through a logger without handlers: Python's last-resort handler printed them raw on a
+    joiner's terminal. In a fresh interpreter, as `node join` sets logging up."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import logging, sys, libp2p\n"
+            "from node.status.logs import setup_logging\n"
+            "setup_logging(__import__('pathlib').Path(sys.argv[1]))\n"
+            "logging.getLogger('libp2p.network.swarm').error('fail to upgrade mux for peer X')\n"
+            "logging.getLogger('node').warning('ours')\n"
+            "logging.shutdown()\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert "ours" in out.stderr and "fail to upgrade mux" not in out.stderr
+    logged = [json.loads(line)["msg"] for line in (tmp_path / "node.log").read_text().splitlines()]
+    assert logged == ["fail to upgrade mux for peer X", "ours"]

@@ -42,3 +42,25 @@ async def test_a_joiner_syncs_at_once_with_its_source_and_connected_peers(
     # once each, at the start (concurrently: in no particular order)
     assert sorted(synced) == sorted((p, 0.0) for p in expected)
     assert rd.first_sync.is_set() == bool(expected)
+
+
+async def test_a_peer_whose_identify_lacks_the_protocol_is_not_asked(autojump_clock):
+    """A bootstrap says in identify that it keeps no run document: no round is tried
+    with it (py-libp2p would log its refusal on the terminal). A peer whose identify has
+    not arrived yet (no protocols known) is asked."""
+    synced: list[str] = []
+
+    async def sync_with(peer: str) -> None:
+        synced.append(peer)
+
+    known = {"QmBoot": ["/ipfs/kad/1.0.0", "/peertrain/manifest/1.0.0"], "QmNew": []}
+    store = SimpleNamespace(get_protocols=lambda peer: known[peer.to_base58()])
+    rd = RunDocSync(first_peers=["QmBoot"])
+    rd.live_peers, rd.signer = (lambda: []), SimpleNamespace(peer_id="QmMe")
+    rd.substrate = SimpleNamespace(
+        connected_peers=lambda: [_peer("QmBoot"), _peer("QmNew")],
+        host=SimpleNamespace(get_peerstore=lambda: store))
+    rd._sync_with = sync_with  # type: ignore[method-assign]
+    with trio.move_on_after(30):
+        await rd._anti_entropy_loop()
+    assert synced == ["QmNew"]

@@ -127,7 +127,18 @@ class RunDocSync:
         once: no protocol (a bootstrap), or a summary of another run (refused)."""
         me = self.signer.peer_id
         connected = [p.to_base58() for p in self.substrate.connected_peers()]
-        return [p for p in dict.fromkeys([*self.first_peers, *connected]) if p != me]
+        return [p for p in dict.fromkeys([*self.first_peers, *connected])
+                if p != me and self._may_speak(p)]
+
+    def _may_speak(self, peer: str) -> bool:
+        """False when identify says `peer` lacks our protocol (a bootstrap): no round
+        that fails for sure (and py-libp2p's error about it). True while unknown."""
+        host = getattr(self.substrate, "host", None)
+        try:
+            protocols = host.get_peerstore().get_protocols(ID.from_base58(peer))
+        except Exception:
+            return True
+        return not protocols or PROTOCOL_ID in protocols  # none yet: identify is under way
 
     def own_entries(self) -> dict[str, Any]:
         assert self._ctx is not None

@@ -116,6 +116,9 @@ class PeerFlood(logging.Filter):
 FLOOD = PeerFlood()
 
 
+THIRD_PARTY = ("libp2p", "multiaddr")  # loggers whose records go to node.log only
+
+
 def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool = True) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -129,6 +132,7 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
         err.addFilter(FLOOD)
         # Records for the file only (`extra={"console": False}`: node.log's progress points).
         err.addFilter(lambda record: getattr(record, "console", True))
+        err.addFilter(lambda record: not record.name.startswith(THIRD_PARTY))
         root.addHandler(err)
     if state_dir is not None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -139,6 +143,12 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
         file.setLevel(min(numeric, logging.INFO))
         file.addFilter(FLOOD)
         root.addHandler(file)
-    # py-libp2p logs every hiccup of every peer at WARNING; keep ours readable.
-    logging.getLogger("libp2p").setLevel(logging.ERROR)
-    logging.getLogger("multiaddr").setLevel(logging.ERROR)
+    # py-libp2p logs every hiccup of every peer at WARNING, and at ERROR what is routine in
+    # a swarm (a simultaneous dial's muxer upgrade, a peer without one of our protocols).
+    # Its logger has no handler and does not propagate, so Python's last-resort handler
+    # printed those errors raw on the terminal; they go to node.log now, the terminal
+    # keeps ours.
+    for name in THIRD_PARTY:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        logger.propagate = True
