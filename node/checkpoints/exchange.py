@@ -248,7 +248,7 @@ class _Session:
     """One stream to one provider, requests in sequence."""
 
     def __init__(self, substrate: Substrate, peer: ID,
-                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None) -> None:
+                 open_stream: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.substrate, self.peer = substrate, peer
         self.open_stream = open_stream or substrate.open_stream
         self.stream: INetStream | None = None
@@ -259,7 +259,7 @@ class _Session:
 
     async def ask_envelope(self, request: bytes) -> Envelope:
         if self.stream is None:
-            self.stream = await self.open_stream(self.peer, cx.PROTOCOL_ID)
+            self.stream = await self.open_stream(self.peer, cx.PROTOCOL_ID, lazy=True)
         await self.stream.write(request)
         env = await next_event(self.stream, self.decoder)
         if not isinstance(env, Envelope):
@@ -312,7 +312,7 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
                check: Callable[[ck.CheckpointManifest], None] | None = None,
                lanes: bool = True,
                more_providers: Callable[[], Awaitable[list[ID]]] | None = None,
-               open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
+               open_stream: Callable[..., Awaitable[Any]] | None = None,
                path_of: Callable[[str], str] | None = None) -> PullResult:
     """Fetch checkpoint `cid` into `store`; CheckpointError if no provider can serve it.
 

@@ -166,7 +166,7 @@ async def fetch_manifest(substrate: Substrate, peer: ID, run_id: str,
     """Ask one peer for the manifest; the result is verified against `run_id`."""
     req_id = next(_req_ids)
     with trio.fail_after(timeout):
-        stream = await substrate.open_stream(peer, mx.PROTOCOL_ID)
+        stream = await substrate.open_stream(peer, mx.PROTOCOL_ID, lazy=True)
         try:
             await stream.write(mx.encode_request(req_id, run_id))
             env = await next_event(stream, mx.RESPONSE_LIMITS.decoder())

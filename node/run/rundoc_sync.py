@@ -268,7 +268,8 @@ class RunDocSync:
                     nursery.start_soon(sync, peer)
 
     async def _sync_with(self, peer: str) -> None:
-        stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID)
+        stream = await self.substrate.open_stream(ID.from_base58(peer), PROTOCOL_ID,
+                                                 lazy=True)
         decoder = rundoc.SYNC_LIMITS.decoder()
         try:
             await stream.write(encode_envelope(

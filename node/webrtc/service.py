@@ -156,8 +156,10 @@ class WebRtcService:
 
     # -- streams ----------------------------------------------------------------------
 
-    async def open_stream(self, peer: ID, protocol: str) -> INetStream | DataChannelStream:
-        """A data channel to `peer` if its path is webrtc, else a libp2p stream."""
+    async def open_stream(self, peer: ID, protocol: str, *,
+                          lazy: bool = False) -> INetStream | DataChannelStream:
+        """A data channel to `peer` if its path is webrtc, else a libp2p stream (`lazy`:
+        see Substrate.open_stream)."""
         assert self._sub is not None
         key = peer.to_base58()
         session = self.sessions.get(key)
@@ -166,7 +168,7 @@ class WebRtcService:
                 return await session.open_stream(protocol)
             except (SessionError, trio.TooSlowError) as e:
                 log.info("webrtc: no data channel to %s (%s); the relayed stream", key, e)
-        return await self._sub.open_stream(peer, protocol)
+        return await self._sub.open_stream(peer, protocol, lazy=lazy)
 
     def _on_channel(self, stream: DataChannelStream) -> None:
         """An inbound data channel (trio side): its protocol's handler, or closed."""
