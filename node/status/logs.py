@@ -141,6 +141,10 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
         )
         file.setFormatter(JsonFormatter())
         file.setLevel(min(numeric, logging.INFO))
+        # errors only: some of py-libp2p's loggers are set to INFO (its auto-connector's
+        # "initiating 193 new dials" every 10 s)
+        file.addFilter(lambda record: not record.name.startswith(THIRD_PARTY)
+                       or record.levelno >= logging.ERROR)
         file.addFilter(FLOOD)
         root.addHandler(file)
     # py-libp2p logs every hiccup of every peer at WARNING, and at ERROR what is routine in
