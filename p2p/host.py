@@ -454,6 +454,13 @@ class Substrate:
                 peer, [multiaddr.Multiaddr(addr.rsplit("/p2p/", 1)[0])], 600)
         return peer
 
+    def protocols_of(self, peer: ID) -> list[str]:
+        """The protocols `peer`'s identify listed; empty while we have none from it."""
+        try:
+            return list(self.host.get_peerstore().get_protocols(peer)) if self.host else []
+        except Exception:  # a peer the peerstore does not know
+            return []
+
     async def open_stream(self, peer: ID, protocol: str, *, lazy: bool = False) -> INetStream:
         """A new stream to `peer`, on its open connection or a new one; a peer that can
         only be reached through a relay is dialed at the relayed addresses the peerstore
@@ -464,7 +471,7 @@ class Substrate:
         its confirmation (p2p/lazy_select.py: two round trips fewer)."""
         assert self.host is not None
         if lazy and self.host.get_network().get_connections(peer) and \
-                lazy_select.speaks(self.host, peer, protocol):
+                protocol in self.protocols_of(peer):
             return await lazy_select.open_lazily(self.host, peer, protocol)
         try:
             return await self.host.new_stream(peer, [TProtocol(protocol)])

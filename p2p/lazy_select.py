@@ -28,14 +28,6 @@ MULTISTREAM = "/multistream/1.0.0"
 MAX_ANSWER = 1024  # a protocol id, or "na": a longer answer is a broken peer
 
 
-def speaks(host: Any, peer: ID, protocol: str) -> bool:
-    """True if `peer`'s identify listed `protocol` (False while identify is under way)."""
-    try:
-        return protocol in host.get_peerstore().get_protocols(peer)
-    except Exception:
-        return False
-
-
 async def open_lazily(host: Any, peer: ID, protocol: str) -> LazyStream:
     """A stream to `peer` (on its connection, dialing if needed) with `protocol` proposed
     and not yet confirmed: see the module doc."""

@@ -33,7 +33,7 @@ async def _pair(nursery: trio.Nursery) -> tuple[Substrate, Substrate, object]:
     await nursery.start(node.serve)
     await nursery.start(other.serve)
     peer = await other.connect(node.addrs()[0])
-    await await_until(lambda: lazy_select.speaks(other.host, peer, ECHO), 20, "identify")
+    await await_until(lambda: ECHO in other.protocols_of(peer), 20, "identify")
     return node, other, peer
 
 

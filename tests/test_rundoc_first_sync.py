@@ -35,7 +35,8 @@ async def test_a_joiner_syncs_at_once_with_its_source_and_connected_peers(
 
     rd = RunDocSync(first_peers=first)
     rd.live_peers, rd.signer = (lambda: []), SimpleNamespace(peer_id="QmMe")
-    rd.substrate = SimpleNamespace(connected_peers=lambda: [_peer(p) for p in connected])
+    rd.substrate = SimpleNamespace(connected_peers=lambda: [_peer(p) for p in connected],
+                                   protocols_of=lambda peer: [])
     rd._sync_with = sync_with  # type: ignore[method-assign]
     with trio.move_on_after(30):
         await rd._anti_entropy_loop()
@@ -54,12 +55,11 @@ async def test_a_peer_whose_identify_lacks_the_protocol_is_not_asked(autojump_cl
         synced.append(peer)
 
     known = {"QmBoot": ["/ipfs/kad/1.0.0", "/peertrain/manifest/1.0.0"], "QmNew": []}
-    store = SimpleNamespace(get_protocols=lambda peer: known[peer.to_base58()])
     rd = RunDocSync(first_peers=["QmBoot"])
     rd.live_peers, rd.signer = (lambda: []), SimpleNamespace(peer_id="QmMe")
     rd.substrate = SimpleNamespace(
         connected_peers=lambda: [_peer("QmBoot"), _peer("QmNew")],
-        host=SimpleNamespace(get_peerstore=lambda: store))
+        protocols_of=lambda peer: known[peer.to_base58()])
     rd._sync_with = sync_with  # type: ignore[method-assign]
     with trio.move_on_after(30):
         await rd._anti_entropy_loop()

@@ -133,11 +133,7 @@ class RunDocSync:
     def _may_speak(self, peer: str) -> bool:
         """False when identify says `peer` lacks our protocol (a bootstrap): no round
         that fails for sure (and py-libp2p's error about it). True while unknown."""
-        host = getattr(self.substrate, "host", None)
-        try:
-            protocols = host.get_peerstore().get_protocols(ID.from_base58(peer))
-        except Exception:
-            return True
+        protocols = self.substrate.protocols_of(ID.from_base58(peer))
         return not protocols or PROTOCOL_ID in protocols  # none yet: identify is under way
 
     def own_entries(self) -> dict[str, Any]:
