@@ -149,14 +149,58 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
         # Nothing newer is listed after a failure: the same one again, then from scratch.
         monkeypatch.setattr(ckpt_service, "PULL_RETRY_S", 0.05)
         doc.set(rundoc.ckpt_key(writer.peer_id, gone), {"hash": gone, "step": 30, "size": 1}, 3)
-        tries = []
+        tries = []  # manifest requests (each try asks for its lane beside, on a stream too)
+        asked = ckpt_sync.cx.request_manifest
 
-        async def count(stream):
-            tries.append(stream)
-            await server.handle(stream)
+        def count(req, cid):
+            tries.append(cid)
+            return asked(req, cid)
 
-        holder.set_handler(cx.PROTOCOL_ID, count)
+        monkeypatch.setattr(ckpt_sync.cx, "request_manifest", count)
         with trio.fail_after(30):
             assert await service._pull_newest(ctx) is None
-        assert len(tries) == ckpt_service.PULL_TRIES
+        assert tries == [gone] * ckpt_service.PULL_TRIES
         nursery.cancel_scope.cancel()
+
+
+async def test_the_lane_is_asked_for_beside_the_manifest_request(tmp_path: Path, autojump_clock):
+    """The provider asked for the manifest is asked for its lane at once, on a second
+    session, not after the manifest arrived: here it answers the manifest only once its
+    lane was asked for (the old order waited for the manifest first: no provider served)."""
+    from libp2p.peer.id import ID
+
+    held = CheckpointStore(tmp_path / "held")
+    cid = held.save(RUN, 1, {"w": torch.arange(1000.0)})
+    manifest = held.manifest(cid)
+    lane_asked = trio.Event()
+
+    class Session:  # one provider's session: manifest, chunks, lanes
+        stream = None
+
+        async def ask(self, request: bytes, req_id: int, kind: str) -> bytes:
+            decoder = cx.REQUEST_LIMITS.decoder()
+            decoder.feed(request)
+            _, _, index = cx.parse_request(decoder.next_event())
+            if kind == "ckpt.manifest":
+                await lane_asked.wait()
+                return manifest.encode()
+            return (held.chunks / manifest.chunks[index]).read_bytes()
+
+        async def open_lane(self, cid: str) -> None:
+            lane_asked.set()
+            return None  # "no lane now": the chunks come on the stream
+
+        async def close(self) -> None:
+            pass
+
+    provider = ID.from_pubkey(create_new_key_pair().public_key)
+    looked_up = trio.Event()
+    looked_up.set()
+    mine = CheckpointStore(tmp_path / "me")
+    with trio.fail_after(60):
+        result = await ckpt_sync._pull(
+            lambda peer: Session(), [provider], cid, mine, 30.0, lambda done, total: None,
+            None, lambda name: True, lambda name: "stream", 0.0, set(), [], looked_up,
+            lambda: [], {})
+    assert result.chunks_by_peer == {provider.to_base58(): len(manifest.chunks)}
+    assert torch.equal(mine.load(cid)[1]["w"], torch.arange(1000.0))
