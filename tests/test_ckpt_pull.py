@@ -204,3 +204,33 @@ async def test_the_lane_is_asked_for_beside_the_manifest_request(tmp_path: Path,
             lambda: [], {})
     assert result.chunks_by_peer == {provider.to_base58(): len(manifest.chunks)}
     assert torch.equal(mine.load(cid)[1]["w"], torch.arange(1000.0))
+
+
+async def test_the_trainer_does_not_wait_for_the_checkpoint_s_dht_provide(tmp_path: Path,
+                                                                          autojump_clock):
+    """The checkpoint service is ready once it holds its checkpoint; announcing it in the
+    DHT (a lookup and a round of ADD_PROVIDER: 0.9 s of a join under load) follows."""
+    from types import SimpleNamespace
+
+    from node.checkpoints.service import CheckpointService, ckpt_provider_key
+
+    store = CheckpointStore(tmp_path / "me")
+    cid = store.save(RUN, 40, {"w": torch.randn(10)})
+    provided: list[str] = []
+    announced = trio.Event()
+
+    async def provide(key: str) -> None:
+        await trio.sleep(5)  # a slow DHT
+        provided.append(key)
+        announced.set()
+
+    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN), checkpoints=store,
+                          substrate=SimpleNamespace(dht=SimpleNamespace(provide=provide)))
+    service = CheckpointService(publish=lambda delta: None, synced=trio.Event())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run, ctx)
+        assert (service.resume_from, trio.current_time(), provided) == (cid, 0.0, [])
+        with trio.fail_after(10):
+            await announced.wait()
+        assert provided == [ckpt_provider_key(cid)]
+        nursery.cancel_scope.cancel()

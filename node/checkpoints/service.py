@@ -66,13 +66,15 @@ class CheckpointService:
         self._ctx = ctx
         run_id = ctx.the_run().run_id
         self.resume_from = ctx.checkpoints.latest(run_id) or await self._pull_newest(ctx)
+        task_status.started()  # the trainer starts from it now
         # Whatever we hold, written before a restart or just pulled, the next joiner can
-        # fetch from us too (until retention drops it).
+        # fetch from us too (until retention drops it). After `started`: a provide is a
+        # DHT lookup and a round of ADD_PROVIDER, 0.9 s of a join under load before the
+        # trainer could start.
         dht = ctx.substrate.dht
         if dht is not None:
             for cid, _ in ctx.checkpoints.list(run_id):
                 await dht.provide(ckpt_provider_key(cid))
-        task_status.started()
         await trio.sleep_forever()
 
     def statistics(self) -> dict[str, Any]:
