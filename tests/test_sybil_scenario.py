@@ -88,15 +88,16 @@ def test_sybilwall_down_weights_sybils_and_gossips_signed_histories(testnet_fact
     # yet reports no rate at all.
     flip_sybil = wait_until(lambda: (f := min(label_flip(p) or 0 for p in sybils)) > 0.2 and f,
                             120, "both sybils to learn the label flip")
-    # Each honest node's rate from an evaluation of a trained model (past 75% accuracy,
+    # Each honest node's rate from an evaluation of a trained model (past 85% accuracy,
     # after an aggregation, so the attack had its chance to arrive): a half-trained model
     # on a node's skewed class mix confuses the flipped class by chance: 0.30 from an
     # untrained model (CI of 2026-11-26 at load ~12), 0.29 at 68% accuracy (ci84, quiet),
-    # while the honest nodes past 75% were at 0.03.
+    # 0.19 just past 75% (ci88: the scenario reaches its evaluations in 15-40 s since joins
+    # are quicker, 150-250 s before), while the others were at 0.01-0.08.
     def trained(p: launcher.Proc) -> dict | None:
         t = training(p)
         m = t.get("val_metrics") or {}
-        return m if (m.get("accuracy") or 0) > 0.75 and t.get("rounds_averaged", 0) >= 1 \
+        return m if (m.get("accuracy") or 0) > 0.85 and t.get("rounds_averaged", 0) >= 1 \
             and m.get("label_flip") is not None else None
 
     evals = wait_until(lambda: (m := [trained(p) for p in honest(net)]) and all(m) and m,
