@@ -104,3 +104,16 @@ def test_building_and_stepping_imports_no_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_moments_of_another_shape_are_refused_at_load() -> None:
+    """A forged checkpoint whose moments do not fit the parameters: a clear error when it
+    is loaded (the trainer then starts from scratch), not a shape error in the first step."""
+    model = _model()
+    opt = AdamW(_groups(model))
+    _train(model, opt, range(1))
+    state = opt.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"exp_avg of parameter 0 has shape \(3, 3\), "
+                                         r"the parameter \(5, 6\)"):
+        AdamW(_groups(_model())).load_state_dict(state)

@@ -48,8 +48,8 @@ class StageOptim:
 
 def make_optimizer(stage: Stage, cfg: StageOptim) -> AdamW:
     """A fresh Adam(W) over the stage's own parameters (zero moments)."""
-    return AdamW(own_parameters(stage), lr=cfg.lr * cfg.lr_scale,
-                             betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return AdamW(own_parameters(stage), lr=cfg.lr * cfg.lr_scale, betas=cfg.betas,
+                 weight_decay=cfg.weight_decay)
 
 
 def clip_and_norm(stage: Stage, grad_clip: float) -> float:

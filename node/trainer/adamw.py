@@ -120,6 +120,13 @@ class AdamW:
             g.update({k: s[k] for k in _OPTIONS if k in s})
             g["betas"] = tuple(g["betas"])
             params.update(zip(s["params"], g["params"], strict=True))
+        for key, values in state_dict["state"].items():
+            p = params[key]
+            for name in ("exp_avg", "exp_avg_sq"):  # a forged checkpoint: refused here, not
+                if values[name].shape != p.shape:  # by a shape error in the first step
+                    raise ValueError(f"optimizer state of another model: {name} of parameter "
+                                     f"{key} has shape {tuple(values[name].shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
         self.state = {}
         for key, values in state_dict["state"].items():
             p = params[key]
