@@ -30,9 +30,6 @@ log = logging.getLogger("node.run")
 _req_ids = itertools.count(1)
 
 
-BAD_MANIFEST = "served a bad manifest"  # a reason that makes the join's error ManifestRejected
-
-
 def run_key(run_id: str) -> str:
     """The DHT key whose providers serve run `run_id`."""
     return f"run/{run_id}"
@@ -48,6 +45,7 @@ class ManifestService:
         # The peer whose manifest we took (a run member that provides it, or the node we
         # dialed): a joiner's first run-document sync asks it at once.
         self.source: str | None = None
+        self._rejected = False  # resolve(): did any peer serve a manifest that failed?
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
@@ -96,6 +94,7 @@ class ManifestService:
             return mf.parse_canonical(local, expected_run_id=run_id)
         timeout = ctx.config.join_timeout_s
         reasons: dict[str, str] = {}
+        self._rejected = False
         delay = 0.2
         with trio.move_on_after(timeout):
             while (manifest := await self._ask_round(ctx, run_id, reasons)) is None:
@@ -104,8 +103,7 @@ class ManifestService:
             return manifest
         detail = "".join(f"\n  {p}: {r}" for p, r in sorted(reasons.items())) or \
             "\n  (no peer in the DHT provides it)"
-        rejected = any(r.startswith(BAD_MANIFEST) for r in reasons.values())
-        error = ManifestRejected if rejected else RunNotFound
+        error = ManifestRejected if self._rejected else RunNotFound
         raise error(f"could not get the manifest of run {run_id} within {timeout:g} s:{detail}"
                     "\nCheck the run-id, and that a node holding the run is reachable.")
 
@@ -151,7 +149,8 @@ class ManifestService:
         try:
             return await fetch_manifest(substrate, peer, run_id)
         except mf.ManifestError as e:
-            reasons[name] = f"{BAD_MANIFEST}: {e}"
+            self._rejected = True
+            reasons[name] = f"served a bad manifest: {e}"
             substrate.gate.penalize(name, "invalid")
             log.warning("peer %s served a bad manifest for %s: %s", peer, run_id, e,
                         extra={"peer": name, "reason": "bad manifest"})
