@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from node.priority import TRAINER_NICE, session_nice
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
@@ -131,13 +132,14 @@ def fast_manifest(tmp_path: Path) -> Path:
     return path
 
 
-def start_join(net: launcher.Testnet, state_dir: Path, *extra: str) -> subprocess.Popen:
+def start_join(net: launcher.Testnet, state_dir: Path, *extra: str,
+               own_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "join", net.run_id, "--bootstrap", net.bootstrap_addr,
          "--listen", launcher.LOOPBACK, "--state-dir", str(state_dir), "--device", "cpu",
          *extra], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, start_new_session=own_session)
 
 
 def step(state_dir: Path) -> int:
@@ -150,12 +152,21 @@ def step(state_dir: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 def test_a_training_node_stops_cleanly(testnet_factory, fast_manifest, tmp_path, sig, code):
+    """Ctrl-C in a terminal (the node shares the terminal's session), SIGTERM from a
+    service manager (a session of its own). Training lowers the session's CPU priority
+    only when the session is the node's own (node/priority.py)."""
     net = testnet_factory(1, manifest=fast_manifest, extra_node_args=["--no-train"])
     state = tmp_path / "trainer"
-    p = start_join(net, state)
+    own_session = sig == signal.SIGTERM
+    p = start_join(net, state, own_session=own_session)
     try:
         wait_until(lambda: step(state) >= 3 or p.poll() is not None, 120, "training steps")
         assert p.poll() is None, p.stderr.read() if p.stderr else ""
+        ours = session_nice()
+        if ours is not None:
+            theirs = session_nice(Path(f"/proc/{p.pid}/autogroup"))
+            assert theirs == (TRAINER_NICE if own_session else ours)
+            assert session_nice() == ours
         p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     finally:

@@ -11,10 +11,11 @@ import torch
 import trio
 
 from node.optim.noloco import NoLoCo, NoLoCoConfig
+from node.priority import TRAINER_NICE
 from node.trainer.loop import TrainConfig, Trainer
 from node.trainer.tasks import TaskConfig, build_task
 from node.training.rounds import Outcome
-from node.training.service import TRAINER_NICE, TrainingService
+from node.training.service import TrainingService
 from tests.conftest import await_until
 
 H = 5

@@ -372,9 +372,10 @@ class PipelineService:
         def main() -> None:
             import torch
 
-            from node.training.service import _lower_priority
+            from node.priority import lower_session_priority, lower_thread_priority
 
-            _lower_priority()
+            lower_thread_priority()
+            lower_session_priority()
             try:
                 torch.set_num_threads(self.m.train.threads)
                 worker.run()

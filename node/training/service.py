@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.errors import DeviceMemoryError, TrainingFailed
+from node.priority import lower_session_priority, lower_thread_priority
 from node.trainer import errors as trainer_errors
 from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats
 from node.training.state import checkpoint_tensors
@@ -50,22 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("node.training")
 
 
-TRAINER_NICE = 10
 JOIN_TIMEOUT_S = 30.0  # a stop waits this long for the trainer's current step
-
-
-def _lower_priority() -> None:
-    """Make the calling (trainer) thread yield the CPU to the node's trio thread.
-
-    Compute is throughput work; the network is latency work. When several processes share
-    the cores (a testnet), a trainer preempted while it holds the GIL stalls its trio
-    thread until the scheduler comes back to it: measured on 7 digits nodes on 2 cores,
-    10-second timeouts on tiny request/response streams and no exchange finishing. With
-    the trainer niced (Linux: per thread), a waking trio thread runs at once; on an
-    otherwise idle machine the trainer loses nothing.
-    """
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TRAINER_NICE)
 
 
 def _build_at_node_priority(build: Callable[[], tuple[Any, Any, int]]) -> tuple[Any, Any, int]:
@@ -222,7 +207,7 @@ class TrainingService:
         try:
             trainer, outer, inner_steps = _build_at_node_priority(self._build)
             if getattr(getattr(trainer, "config", None), "threads", 0) != 1:
-                _lower_priority()  # before any step starts torch's worker threads
+                lower_thread_priority()  # before any step starts torch's worker threads
             self.outer = outer
             if self._run_ctx is not None:
                 self._run_ctx.outer = outer  # read by SybilWall's history gossip
@@ -267,14 +252,16 @@ class TrainingService:
                 for r in sorted(pending):
                     self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
                 if self.replay_to_align:
-                    _lower_priority()  # catching up is the trainer's work, not the join's
+                    lower_thread_priority()  # catching up is the trainer's work, not the join's
+                    lower_session_priority()
                     while trainer.step_count < target and not self._stop.is_set():
                         trainer.step()
                 trainer.step_count = st.step = target
             t0 = time.perf_counter()
             s = trainer.step()
             if st.compute_s == 0:  # a one-thread trainer's first step, the join's last phase,
-                _lower_priority()  # ran at the node's priority: 0.6 s niced, 0.2 s not
+                lower_thread_priority()  # ran at the node's priority: 0.6 s niced, 0.2 s not
+                lower_session_priority()  # the join is over: other joiners go first
             st.compute_s += time.perf_counter() - t0  # evaluation included: it is compute too
             st.step, st.loss, st.lr = s.step, s.loss, s.lr
             if s.val_loss is not None:

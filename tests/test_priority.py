@@ -1,0 +1,46 @@
+"""A training node's CPU priority (node/priority.py): its session yields to the machine's
+other sessions only when the session is the node's own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.priority import TRAINER_NICE, session_nice
+
+needs_autogroup = pytest.mark.skipif(
+    session_nice() is None, reason="no /proc/self/autogroup (Linux autogroup scheduling)")
+
+# Lowers its session, then prints what it returned and the session's nice after.
+PROBE = ("from node.priority import lower_session_priority as lower, session_nice;"
+         "print(lower(), lower(), session_nice())")
+
+
+def probe(own_session: bool) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         check=True, timeout=60, start_new_session=own_session)
+    return out.stdout.split()
+
+
+@needs_autogroup
+def test_a_node_in_a_session_of_its_own_lowers_it_once():
+    assert probe(own_session=True) == ["True", "False", str(TRAINER_NICE)]
+
+
+@needs_autogroup
+def test_a_node_in_someone_elses_session_leaves_it_alone():
+    before = session_nice()
+    assert probe(own_session=False) == ["False", "False", str(before)]
+    assert session_nice() == before
+
+
+def test_session_nice_reads_the_autogroup_line_or_says_none(tmp_path: Path):
+    line = tmp_path / "autogroup"
+    line.write_text("/autogroup-42 nice -3\n")
+    assert session_nice(line) == -3
+    line.write_text("garbage\n")
+    assert session_nice(line) is None
+    assert session_nice(tmp_path / "absent") is None
