@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("node.priority")
@@ -62,11 +64,25 @@ def lower_session_priority(path: Path = AUTOGROUP) -> bool:
     nice = session_nice(path)
     if nice is None or nice >= TRAINER_NICE:
         return False
-    try:
-        path.write_text(str(TRAINER_NICE))
-    except OSError as e:
-        log.debug("could not lower the session's priority: %s", e)
+    if not set_session_nice(path, TRAINER_NICE):
         return False
     log.info("training: this node's session now runs at nice %d (was %d), so that the "
              "machine's other work goes first", TRAINER_NICE, nice)
     return True
+
+
+def set_session_nice(path: Path, nice: int, tries: int = 20) -> bool:
+    """Write the autogroup's nice. Linux lets an unprivileged process change an autogroup's
+    nice once per 0.1 s, machine-wide (EAGAIN otherwise): a testnet's nodes all reach
+    their first step at about the same moment, so a refusal is tried again."""
+    for _ in range(tries):
+        try:
+            path.write_text(str(nice))
+            return True
+        except BlockingIOError:  # EAGAIN: another session's change within the last 0.1 s
+            time.sleep(0.1 + random.random() * 0.1)
+        except OSError as e:
+            log.debug("could not lower the session's priority: %s", e)
+            return False
+    log.debug("could not lower the session's priority: busy %d times", tries)
+    return False

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node.priority import TRAINER_NICE, session_nice
+from node.priority import TRAINER_NICE, session_nice, set_session_nice
 
 needs_autogroup = pytest.mark.skipif(
     session_nice() is None, reason="no /proc/self/autogroup (Linux autogroup scheduling)")
@@ -44,3 +44,26 @@ def test_session_nice_reads_the_autogroup_line_or_says_none(tmp_path: Path):
     line.write_text("garbage\n")
     assert session_nice(line) is None
     assert session_nice(tmp_path / "absent") is None
+
+
+class BusyAutogroup:
+    """An autogroup file that refuses `busy` writes with EAGAIN, as Linux does to an
+    unprivileged writer within 0.1 s of another change, then takes the value."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.value = busy, None
+
+    def write_text(self, text: str) -> None:
+        if self.busy:
+            self.busy -= 1
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        self.value = text
+
+
+def test_a_busy_autogroup_is_written_again_and_a_refusal_gives_up():
+    busy = BusyAutogroup(busy=2)
+    assert set_session_nice(busy, TRAINER_NICE)  # type: ignore[arg-type]
+    assert busy.value == str(TRAINER_NICE)
+    always = BusyAutogroup(busy=100)
+    assert not set_session_nice(always, TRAINER_NICE, tries=3)  # type: ignore[arg-type]
+    assert always.value is None
