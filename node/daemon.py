@@ -99,6 +99,7 @@ class Node:
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
+        self._prebuilt: Any = None  # ... and its trainer, built while that one downloads
         self.metrics = MetricsService(self.status, config.metrics,
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
@@ -138,9 +139,16 @@ class Node:
         return self.ctx.peer_id
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        ctx = self.ctx
         tune_malloc()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            await self._run(task_status)
+        finally:
+            if self._prebuilt is not None:
+                self._prebuilt.cancel()
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        ctx = self.ctx
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             if self.config.run_id is not None and self.config.train:
@@ -224,6 +232,13 @@ class Node:
                                                   synced=rundoc.first_sync,
                                                   still_loading=preload.pending)
             services.append(self._checkpoints)
+            # Built while the checkpoint downloads; the trainer resumes it from the
+            # checkpoint once that is in (_trainer_services).
+            from node.training.build import Prebuild, build_training
+
+            self._prebuilt = Prebuild(lambda: build_training(
+                manifest, ctx.peer_id, resolve_device_name(config.device), config.data,
+                attack=config.attack))
         return services
 
     async def _trainer_services(self) -> list[Service]:
@@ -254,7 +269,7 @@ class Node:
         from node.averaging.history_gossip import HistoryGossip
         from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager
-        from node.training.build import build_training, neighbours
+        from node.training.build import neighbours, resume_newest
         from node.training.service import TrainingService
 
         run, checkpoints = ctx.the_run(), self._checkpoints
@@ -282,9 +297,16 @@ class Node:
                                      else None))
             self.webrtc.set_handler(av_protocol, averager.handle)
             services.append(averager)
+        prebuilt = self._prebuilt
+        assert prebuilt is not None
+
+        def build() -> tuple[Any, Any, int]:
+            trainer, outer, inner_steps = prebuilt.result()
+            resume_newest(m, trainer, outer, ctx.checkpoints)
+            return trainer, outer, inner_steps
+
         services.append(TrainingService(
-            lambda: build_training(m, ctx.peer_id, ctx.device, config.data,
-                                   checkpoints=ctx.checkpoints, attack=config.attack),
+            build,
             exchange=(averager.allreduce if m.outer.algorithm == "diloco" else averager.exchange)
             if averager else None,
             checkpoint_every=m.checkpoint.every_steps, on_snapshot=checkpoints.save,

@@ -63,12 +63,15 @@ def _load() -> None:
         _done.set()
 
 
-def wait() -> None:
-    """Block until torch is imported (starting the import if nobody did); re-raise its error."""
+def wait(timeout: float | None = None) -> bool:
+    """Block until torch is imported (starting the import if nobody did); re-raise its
+    error. False if it was still loading after `timeout` seconds."""
     start()
-    _done.wait()
+    if not _done.wait(timeout):
+        return False
     if _error is not None:
         raise _error
+    return True
 
 
 async def ready() -> None:

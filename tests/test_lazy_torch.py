@@ -95,30 +95,40 @@ inner_steps = 50
 """
 
 
+def start_gated_joiner(net: launcher.Testnet, tmp_path: Path
+                       ) -> tuple[subprocess.Popen, launcher.Proc, Path]:
+    """A joiner whose torch import waits for the gate file; (process, Proc, gate)."""
+    gate, state = tmp_path / "torch-may-load", tmp_path / "joiner"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEERTRAIN_TEST_TORCH_GATE": str(gate)}
+    with (tmp_path / "joiner.out").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", GATED, "join", net.run_id, "--bootstrap",
+             net.bootstrap_addr, "--listen", launcher.LOOPBACK, "--state-dir", str(state)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, launcher.Proc("joiner", str(state), proc.pid), gate
+
+
+def wait_for_torch_gate(proc: subprocess.Popen, joiner: launcher.Proc, tmp_path: Path) -> dict:
+    def waiting_for_torch() -> dict:
+        st = status(joiner)
+        if proc.poll() is not None:
+            raise AssertionError(f"the joiner exited with {proc.returncode}: "
+                                 f"{(tmp_path / 'joiner.out').read_text()[-2000:]}")
+        heard = (st.get("membership") or {}).get("peers")
+        return st if st.get("phase") == "loading torch" and heard else {}
+
+    return wait_until(waiting_for_torch, 180, "the joiner to hear its peer and wait for torch")
+
+
 @pytest.mark.slow
 def test_a_joiner_connects_and_hears_peers_before_torch_loads_then_trains(testnet_factory,
                                                                          tmp_path: Path):
     manifest = tmp_path / "run.toml"
     manifest.write_text(FAST_RUN)
     net = testnet_factory(1, manifest=manifest, timeout=180)
-    gate, state = tmp_path / "torch-may-load", tmp_path / "joiner"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEERTRAIN_TEST_TORCH_GATE": str(gate)}
-    log = (tmp_path / "joiner.out").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", GATED, "join", net.run_id, "--bootstrap", net.bootstrap_addr,
-         "--listen", launcher.LOOPBACK, "--state-dir", str(state)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    joiner = launcher.Proc("joiner", str(state), proc.pid)
+    proc, joiner, gate = start_gated_joiner(net, tmp_path)
     try:
-        def waiting_for_torch() -> dict:
-            st = status(joiner)
-            if proc.poll() is not None:
-                raise AssertionError(f"the joiner exited with {proc.returncode}: "
-                                     f"{(tmp_path / 'joiner.out').read_text()[-2000:]}")
-            heard = (st.get("membership") or {}).get("peers")
-            return st if st.get("phase") == "loading torch" and heard else {}
-
-        st = wait_until(waiting_for_torch, 180, "the joiner to hear its peer and wait for torch")
+        st = wait_for_torch_gate(proc, joiner, tmp_path)
         assert st["torch_import"]["done"] is False
         assert {"connecting", "discovering", "syncing state"} <= set(st["phase_times"])
         assert "training" not in st  # no torch-using service was built yet
@@ -135,4 +145,21 @@ def test_a_joiner_connects_and_hears_peers_before_torch_loads_then_trains(testne
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        log.close()
+
+
+@pytest.mark.slow
+def test_a_joiner_stopped_while_torch_loads_exits_at_once(testnet_factory, tmp_path: Path):
+    """Its trainer is built in the background once torch is in (node/training/build.py,
+    `Prebuild`); a stop before that must not wait for torch, which here never loads."""
+    manifest = tmp_path / "run.toml"
+    manifest.write_text(FAST_RUN)
+    net = testnet_factory(1, manifest=manifest, timeout=180)
+    proc, joiner, _ = start_gated_joiner(net, tmp_path)
+    try:
+        wait_for_torch_gate(proc, joiner, tmp_path)
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, (tmp_path / "joiner.out").read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
