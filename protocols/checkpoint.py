@@ -50,6 +50,10 @@ class CheckpointManifest:
     def cid(self) -> str:
         return cid_of(self.encode())
 
+    def chunk_size(self, index: int) -> int:
+        """Bytes in chunk `index` (the last one may be short)."""
+        return min(self.chunk, self.size - index * self.chunk)
+
 
 def cid_of(manifest_bytes: bytes) -> str:
     return multihash.sha256_id(manifest_bytes)

@@ -51,6 +51,31 @@ def test_a_corrupt_chunk_is_never_loaded(tmp_path: Path):
         store.put_chunk(store.manifest(cid).chunks[0], bytes(data))
 
 
+def test_a_pulled_checkpoint_is_hashed_once_on_its_way_to_the_trainer(tmp_path: Path,
+                                                                      monkeypatch):
+    """A joiner verifies each chunk as it arrives (`put_chunk`) and loads it at once: the
+    load does not hash it again; a later load, or a chunk cut short since, is checked."""
+    writer = CheckpointStore(tmp_path / "writer")
+    cid = writer.save(RUN, 1, tensors(3_000_000))  # 3 chunks
+    m = writer.manifest(cid)
+    joiner = CheckpointStore(tmp_path / "joiner")
+    for digest in m.chunks:
+        joiner.put_chunk(digest, (writer.chunks / digest).read_bytes())
+    joiner.put_manifest(cid, m.encode())
+    hashed: list[int] = []
+    real = ck.sha256_hex
+    monkeypatch.setattr(ck, "sha256_hex", lambda data: hashed.append(len(data)) or real(data))
+    assert torch.equal(joiner.load(cid)[1]["w"], tensors(3_000_000)["w"])
+    assert hashed == []
+    joiner.load(cid)
+    assert len(hashed) == len(m.chunks)  # once loaded, trusted no more
+
+    joiner.put_chunk(m.chunks[1], (writer.chunks / m.chunks[1]).read_bytes())
+    (joiner.chunks / m.chunks[1]).write_bytes(b"cut short")
+    with pytest.raises(CheckpointError, match="chunk 1 .* is corrupt"):
+        joiner.load(cid)
+
+
 @pytest.mark.parametrize("doc,reason", [
     ({"size": 2**50}, "absurd"),
     ({"size": 10 << 20, "chunks": ["0" * 64]}, "need 3 chunks"),

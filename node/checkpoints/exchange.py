@@ -194,10 +194,6 @@ async def _together(*tasks: Callable[[], Any]) -> list[Exception]:
     return errors
 
 
-def _chunk_size(m: ck.CheckpointManifest, index: int) -> int:
-    return min(m.chunk, m.size - index * m.chunk)
-
-
 async def _lane_chunk(lane: LaneStream, req: int, index: int, size: int) -> bytearray:
     """Chunk `index` from a lane: its header (one envelope in one record, checked against
     the request and the manifest's `size`), then exactly `size` bytes opened in place."""
@@ -536,7 +532,7 @@ async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid:
                     index, req = inflight[0]
                     with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
                         data = await _lane_chunk(lane, req, index,
-                                                 _chunk_size(manifest, index))
+                                                 manifest.chunk_size(index))
                     inflight.popleft()
                     await to_store.send((index, data))
 
