@@ -197,7 +197,8 @@ class Node:
         manifest = await self.manifests.resolve(ctx, run_id)
         if config.train:  # data that cannot train is refused before we announce
             await trio.to_thread.run_sync(check_training_data, manifest, config.data)
-        ctx.runs.put(mf.canonical_bytes(manifest))
+        # fsynced: off the trio thread, which would wait for a disk busy with checkpoints
+        await trio.to_thread.run_sync(ctx.runs.put, mf.canonical_bytes(manifest))
         log.info("joined run %s (%s)", run_id, manifest.run.name)
         await self._dial_manifest_bootstrap(list(manifest.network.bootstrap))
         # In the background: a DHT provide is a lookup and a round of ADD_PROVIDER, ~1 s of
@@ -327,7 +328,7 @@ class Node:
     def _write_addrs(self) -> None:
         atomic_write(self.config.state_dir / ADDRS_FILE, json.dumps(
             {"peer_id": self.peer_id, "addrs": self.ctx.substrate.addrs(), "pid": os.getpid()}
-        ).encode())
+        ).encode(), durable=False)
 
     def _bootstrap_sources(self) -> list[Source]:
         """In order: the CLI's (flag, ticket, environment or config file), remembered peers,

@@ -72,7 +72,7 @@ def test_a_pulled_checkpoint_is_hashed_once_on_its_way_to_the_trainer(tmp_path: 
 
     joiner.put_chunk(m.chunks[1], (writer.chunks / m.chunks[1]).read_bytes())
     (joiner.chunks / m.chunks[1]).write_bytes(b"cut short")
-    with pytest.raises(CheckpointError, match="chunk 1 .* is corrupt"):
+    with pytest.raises(CheckpointError, match=r"chunk 1 .* is corrupt"):
         joiner.load(cid)
 
 

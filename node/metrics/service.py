@@ -80,7 +80,8 @@ class MetricsService:
                 host, port = listeners[0].socket.getsockname()[:2]
                 self.url = f"http://{_url_host(host)}:{port}/"
                 atomic_write(ctx.config.state_dir / METRICS_FILE, json.dumps(
-                    {"url": self.url, "host": host, "port": port, "pid": os.getpid()}).encode())
+                    {"url": self.url, "host": host, "port": port, "pid": os.getpid()}).encode(),
+                    durable=False)
                 await nursery.start(self.server.serve, listeners)
                 log.info("status page %s, Prometheus metrics %smetrics", self.url, self.url)
             nursery.start_soon(self._sample, ctx)
