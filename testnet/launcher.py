@@ -125,10 +125,10 @@ def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
     log = open(state_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
     # A session of its own: Ctrl-C at the terminal does not reach it, `down` signals its
     # group, and under Linux's autogroup scheduling each node gets an equal share of the
-    # CPU, as separate machines would (the trainers' nice then yields to their own trio
-    # thread only). Tried on 2026-11-26: every node in the launcher's session made a joiner
-    # beside 4 trainers much faster (docs/benchmarks.md, join history) but changed which
-    # node outpaces which, and the sybil and pipeline scenario tests failed in 2 of 3 runs.
+    # CPU, as separate machines would; a node that trains lowers its session's priority
+    # (node/priority.py), so a joiner goes first. Tried on 2026-11-26: every node in the
+    # launcher's session changed which node outpaces which, and the sybil and pipeline
+    # scenario tests failed in 2 of 3 runs (docs/architecture.md, "Testnet").
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True, env=env,
                          preexec_fn=None if detached else _pdeathsig)
