@@ -213,8 +213,9 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
             "round trips of the join (dial, DHT, stream negotiation, the run-document sync) "
             "take longer (the GIL's hand-off). "
             "`wait for torch` is what is left of the "
-            "import when the checkpoint is in (0 when it finished first). The trainer is "
-            "built from the newest checkpoint right after.")
+            "import when the checkpoint is in (0 when it finished first). The trainer, "
+            "built in a thread of its own once torch is in, resumes from the checkpoint "
+            "right after.")
         failed = sum(1 for r in results if not r["served_by"])
         if failed:
             notes.append(
@@ -353,9 +354,14 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"over the libp2p stream, 4 chunk requests in flight; else the libp2p stream), every "
         f"chunk verified (torch loads in a background thread from the node's start);\n"
         f"- wait for torch: the rest of the background import, once the checkpoint is in;\n"
-        f"- build trainer: model built, training data read, checkpoint verified and loaded "
-        f"(at the node's priority, like the first step; the trainer is niced after);\n"
-        f"- first step: one training step, while {nodes} trainers share the machine's cores."
+        f"- build trainer: what is left of the trainer's build (model, training data, "
+        f"optimizer state; it starts beside the download once torch is loaded, since "
+        f"2026-11-26), then the checkpoint loaded into it (its chunks were verified as they "
+        f"arrived);\n"
+        f"- first step: one training step, while {nodes} trainers share the machine's cores. "
+        f"Until then the joiner runs at the priority it was started with; each trainer, "
+        f"past its own first step, runs its session at nice 10 (node/priority.py, since "
+        f"2026-11-26), so the joiner goes first."
         f"\n\nWhat a checkpoint of this model holds (one safetensors file, 4 MiB chunks): "
         f"the weights (25.5 MB fp32), AdamW's two moments (51 MB), and NoLoCo's outer "
         f"state, the anchor weights phi and the outer momentum m (25.5 MB each). A joiner "
