@@ -45,58 +45,10 @@ def neighbours(m: mf.Manifest) -> int | None:
 
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,
-                   data: list[str] | None = None, checkpoints: Any = None,
+                   data: list[str] | None = None,
                    attack: str | None = None) -> tuple[Any, Any, int]:
-    """Build (trainer, outer optimizer or None, inner steps H). Runs in a worker thread.
-
-    With a checkpoint store, training resumes from the run's newest checkpoint in it (the
-    checkpoint service has pulled the swarm's newest by the time the trainer is built)."""
-    trainer, outer, inner_steps = _build(m, peer_id, device, data, attack)
-    if checkpoints is not None:
-        resume_newest(m, trainer, outer, checkpoints)
-    return trainer, outer, inner_steps
-
-
-def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any) -> None:
-    """Continue from the run's newest checkpoint in the store, if it holds one."""
-    latest = checkpoints.latest(mf.run_id(mf.canonical_bytes(m)))
-    if latest:
-        _resume(trainer, outer, checkpoints, latest)
-
-
-class Prebuild:
-    """The trainer and outer optimizer, built in the background as soon as torch is loaded,
-    while the join still downloads the checkpoint they will resume from (`resume_newest`):
-    the build (model init, data, optimizer state; 0.4-0.5 s on the 2-core machine) is off
-    the join's path. A thread of its own at the node's priority, as the build was before
-    (node/training/service.py, `_build_at_node_priority`); `result()` re-raises what the
-    build raised, in the trainer thread that asks."""
-
-    def __init__(self, build: Callable[[], tuple[Any, Any, int]]) -> None:
-        from node import preload
-
-        self._cancelled = threading.Event()
-
-        def after_torch() -> tuple[Any, Any, int]:
-            while not preload.wait(timeout=0.1):
-                if self._cancelled.is_set():  # a node stopped while torch loaded: its
-                    raise CancelledError  # exit waits for this thread, not for torch
-            return build()
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="peertrain-prebuild")
-        self._future = pool.submit(after_torch)
-        pool.shutdown(wait=False)  # the thread ends with the build
-
-    def result(self) -> tuple[Any, Any, int]:
-        return self._future.result()
-
-    def cancel(self) -> None:
-        """Build nothing if torch is not loaded yet (a build under way finishes)."""
-        self._cancelled.set()
-
-
-def _build(m: mf.Manifest, peer_id: str, device: str, data: list[str] | None,
-           attack: str | None) -> tuple[Any, Any, int]:
+    """Build (trainer, outer optimizer or None, inner steps H), from the run's initial
+    weights (`resume_newest` then loads a checkpoint into them). Runs in a worker thread."""
     from node.optim.noloco import NoLoCo, NoLoCoConfig
     from node.trainer.loop import TrainConfig, Trainer
     from node.trainer.tasks import TaskConfig, build_task
@@ -139,6 +91,44 @@ def _build(m: mf.Manifest, peer_id: str, device: str, data: list[str] | None,
         outer = NoLoCo(trainer.parameters_vector(),
                        NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
     return trainer, outer, m.outer.inner_steps
+
+
+def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any) -> None:
+    """Continue from the run's newest checkpoint in the store, if it holds one."""
+    latest = checkpoints.latest(mf.run_id(mf.canonical_bytes(m)))
+    if latest:
+        _resume(trainer, outer, checkpoints, latest)
+
+
+class Prebuild:
+    """The trainer and outer optimizer, built in the background as soon as torch is loaded,
+    while the join still downloads the checkpoint they will resume from (`resume_newest`):
+    the build (model init, data, optimizer state; 0.4-0.5 s on the 2-core machine) is off
+    the join's path. A thread of its own at the node's priority, as the build was before
+    (node/training/service.py, `_build_at_node_priority`); `result()` re-raises what the
+    build raised, in the trainer thread that asks."""
+
+    def __init__(self, build: Callable[[], tuple[Any, Any, int]]) -> None:
+        from node import preload
+
+        self._cancelled = threading.Event()
+
+        def after_torch() -> tuple[Any, Any, int]:
+            while not preload.wait(timeout=0.1):
+                if self._cancelled.is_set():  # a node stopped while torch loaded: its
+                    raise CancelledError  # exit waits for this thread, not for torch
+            return build()
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="peertrain-prebuild")
+        self._future = pool.submit(after_torch)
+        pool.shutdown(wait=False)  # the thread ends with the build
+
+    def result(self) -> tuple[Any, Any, int]:
+        return self._future.result()
+
+    def cancel(self) -> None:
+        """Build nothing if torch is not loaded yet (a build under way finishes)."""
+        self._cancelled.set()
 
 
 def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> Any:
