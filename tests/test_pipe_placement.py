@@ -133,3 +133,39 @@ def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
         else:
             assert svc.claim("b", header("grad", 1, 0)) is None
             assert "not at stage 0" in svc.claim("b", header("act", 1, 2))
+
+
+def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkeypatch):
+    """A replacement joining seconds after a host died hears the dead host's last
+    heartbeat from gossip's history among its peers' fresh ones; it must not count it
+    (PipelineService.live). Heartbeats all held back alike (a loaded relay) still do."""
+    import time
+    from types import SimpleNamespace
+
+    import node.pipe.service as ps
+    from node.membership.view import Membership
+    from node.training.rounds import TrainingStats
+    from protocols import manifest as mf
+    from protocols.heartbeat import Heartbeat
+    from testnet import launcher
+
+    wall = 1_000_000.0
+    monkeypatch.setattr(ps, "time", SimpleNamespace(time=lambda: wall,
+                                                    monotonic=time.monotonic))
+    m = mf.load_manifest_file(launcher.scenario_manifest_path("pipeline"))
+    service = ps.PipelineService(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
+
+    def view(*beats: tuple[str, float]) -> list[str]:
+        """Who is live after hearing these (peer, written seconds ago) heartbeats now."""
+        membership = Membership("me", ttl_s=5.0)
+        for peer, ago in beats:
+            membership.heard(Heartbeat(peer, seq=1, stats={"t": wall - ago, "stage": 0}),
+                             wall=wall)
+        service._ctx = SimpleNamespace(membership=membership,
+                                       config=SimpleNamespace(peer_ttl_s=5.0))
+        return sorted(e.peer_id for e in service.live())
+
+    assert view(("dead", 7.0)) == ["dead"]  # nothing fresher heard yet: it may be alive
+    assert view(("dead", 7.0), ("a", 0.5), ("b", 1.0)) == ["a", "b"]
+    # every heartbeat 9 s late: none is older than the others
+    assert view(("a", 9.0), ("b", 9.0), ("c", 9.0)) == ["a", "b", "c"]

@@ -109,12 +109,19 @@ class PipelineService:
         more than FRESH_S ago (its `t`, judged by the swarm's clock: Membership.age):
         gossip re-delivered heartbeats minutes old (a relay's backlog, a seen-cache that
         expired) and they made a killed host look live and a swarm step 200 steps old look
-        current."""
+        current. Less, too, those written more than a peer ttl before the freshest one
+        heard: a replacement that starts within seconds of its predecessor's death (as
+        fast as a joiner does since trainers yield the CPU, node/priority.py) got the dead
+        host's last heartbeat from gossip's history, stamped live on arrival, took another
+        stage, and a trained host took the dead one's over (CI, 2026-11-26). A delay that
+        holds every peer's heartbeats back alike moves none of them against the others."""
         ctx = self._ctx
         assert ctx is not None
         now = time.time()
-        return [e for e in ctx.membership.live()
-                if (age := ctx.membership.age(e, now)) is None or age <= FRESH_S]
+        aged = [(e, ctx.membership.age(e, now)) for e in ctx.membership.live()]
+        freshest = min((a for _, a in aged if a is not None), default=0.0)
+        return [e for e, age in aged if age is None
+                or (age <= FRESH_S and age - freshest <= ctx.config.peer_ttl_s)]
 
     def swarm_step(self) -> int:
         """The highest step a fresh live peer reports."""
@@ -190,6 +197,7 @@ class PipelineService:
         assert ctx is not None and ctx.run is not None
         if self.stage is not None and stage != self.stage:
             self.moves += 1
+            self.recovery = None  # it said how the stage we leave started
             log.info("pipeline: moving from stage %d to stage %d", self.stage, stage)
         else:
             log.info("pipeline: hosting stage %d of %d", stage, self.n)
