@@ -14,7 +14,9 @@ equal share of the CPU and applies a thread's nice only among the threads of its
 
 A node lowers its session only when the session is its own (a testnet's nodes, a node
 under systemd): a node started from a terminal shares the terminal's session, which it
-must not slow down for the shell and whatever runs next in it.
+must not slow down for the shell and whatever runs next in it. `PEERTRAIN_SESSION_NICE`
+sets the nice it gives its session (0 leaves the session alone): the test suite sets 0,
+whose scenario deadlines were set with every node's session equal to the others.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 log = logging.getLogger("node.priority")
 
 TRAINER_NICE = 10
+SESSION_NICE_ENV = "PEERTRAIN_SESSION_NICE"  # the session's nice once training; 0: leave it
 AUTOGROUP = Path("/proc/self/autogroup")  # "/autogroup-42 nice 0"; Linux only
 
 
@@ -59,16 +62,34 @@ def lower_session_priority(path: Path = AUTOGROUP) -> bool:
     """Give this node's session the trainer's nice, if the session is the node's own and
     runs at a higher priority; True when it was lowered. Never raises: a kernel without
     autogroup, or one that refuses, leaves the session as it was."""
-    if os.getsid(0) != os.getpid():
-        return False  # a terminal's session, shared with the shell
+    target = session_nice_wanted()
+    if target == 0 or os.getsid(0) != os.getpid():
+        return False  # not wanted, or a terminal's session, shared with the shell
     nice = session_nice(path)
-    if nice is None or nice >= TRAINER_NICE:
+    if nice is None or nice >= target:
         return False
-    if not set_session_nice(path, TRAINER_NICE):
+    if not set_session_nice(path, target):
         return False
     log.info("training: this node's session now runs at nice %d (was %d), so that the "
-             "machine's other work goes first", TRAINER_NICE, nice)
+             "machine's other work goes first", target, nice)
     return True
+
+
+def session_nice_wanted() -> int:
+    """`PEERTRAIN_SESSION_NICE` (0-19), else TRAINER_NICE; a value out of range or not a
+    number is logged and ignored."""
+    raw = os.environ.get(SESSION_NICE_ENV, "").strip()
+    if not raw:
+        return TRAINER_NICE
+    try:
+        value = int(raw)
+        if 0 <= value <= 19:
+            return value
+    except ValueError:
+        pass
+    log.warning("%s=%r is not a nice value from 0 to 19; using %d", SESSION_NICE_ENV, raw,
+                TRAINER_NICE)
+    return TRAINER_NICE
 
 
 def set_session_nice(path: Path, nice: int, tries: int = 20) -> bool:

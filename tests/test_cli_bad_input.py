@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from node.priority import TRAINER_NICE, session_nice
+from node.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
@@ -135,6 +135,7 @@ def fast_manifest(tmp_path: Path) -> Path:
 def start_join(net: launcher.Testnet, state_dir: Path, *extra: str,
                own_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop(SESSION_NICE_ENV, None)  # the product's default, which the suite turns off
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "join", net.run_id, "--bootstrap", net.bootstrap_addr,
          "--listen", launcher.LOOPBACK, "--state-dir", str(state_dir), "--device", "cpu",

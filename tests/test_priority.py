@@ -3,13 +3,20 @@ other sessions only when the session is the node's own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from node.priority import TRAINER_NICE, session_nice, set_session_nice
+from node.priority import (
+    SESSION_NICE_ENV,
+    TRAINER_NICE,
+    session_nice,
+    session_nice_wanted,
+    set_session_nice,
+)
 
 needs_autogroup = pytest.mark.skipif(
     session_nice() is None, reason="no /proc/self/autogroup (Linux autogroup scheduling)")
@@ -19,15 +26,29 @@ PROBE = ("from node.priority import lower_session_priority as lower, session_nic
          "print(lower(), lower(), session_nice())")
 
 
-def probe(own_session: bool) -> list[str]:
+def probe(own_session: bool, wanted: str | None = None) -> list[str]:
+    """PROBE in a fresh process; `wanted`: its PEERTRAIN_SESSION_NICE (the suite sets 0
+    for every node it starts: tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != SESSION_NICE_ENV}
+    if wanted is not None:
+        env[SESSION_NICE_ENV] = wanted
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         check=True, timeout=60, start_new_session=own_session)
+                         check=True, timeout=60, start_new_session=own_session, env=env)
     return out.stdout.split()
 
 
 @needs_autogroup
 def test_a_node_in_a_session_of_its_own_lowers_it_once():
     assert probe(own_session=True) == ["True", "False", str(TRAINER_NICE)]
+    assert probe(own_session=True, wanted="4") == ["True", "False", "4"]
+    assert probe(own_session=True, wanted="0") == ["False", "False", "0"]
+
+
+def test_the_wanted_nice_comes_from_the_environment(monkeypatch):
+    for raw, wanted in [("", TRAINER_NICE), ("0", 0), ("19", 19), ("20", TRAINER_NICE),
+                        ("-5", TRAINER_NICE), ("ten", TRAINER_NICE)]:
+        monkeypatch.setenv(SESSION_NICE_ENV, raw)
+        assert session_nice_wanted() == wanted, raw
 
 
 @needs_autogroup
