@@ -46,9 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
     # Training nodes leave their session's priority alone (node/priority.py): the
     # scenario tests' deadlines were set with every node's session equal to the others and
-    # to the suite's own; at nice 10 the in-process tests took a core from the testnets'
-    # trainers, and the SybilWall scenario missed its deadline (ci94, ci95). The tests of
-    # the session nice itself clear this for their own processes.
+    # to the suite's own. With the testnets' trainers at nice 10 the SybilWall scenario
+    # missed its deadline (ci94; ci95 with the suite's session at nice 10 too). The tests
+    # of the session nice itself clear this for their own processes.
     os.environ[SESSION_NICE_ENV] = "0"
 
 
