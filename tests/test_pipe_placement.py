@@ -137,8 +137,9 @@ def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
 
 def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkeypatch):
     """A replacement joining seconds after a host died hears the dead host's last
-    heartbeat from gossip's history among its peers' fresh ones; it must not count it
-    (PipelineService.live). Heartbeats all held back alike (a loaded relay) still do."""
+    heartbeat from gossip's history among its peers' fresh ones; its stage choice must not
+    count it (PipelineService.live(first_choice=True)). Heartbeats all held back alike (a
+    loaded relay) still count."""
     import time
     from types import SimpleNamespace
 
@@ -163,9 +164,14 @@ def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkey
                              wall=wall)
         service._ctx = SimpleNamespace(membership=membership,
                                        config=SimpleNamespace(peer_ttl_s=5.0))
-        return sorted(e.peer_id for e in service.live())
+        return sorted(e.peer_id for e in service.live(first_choice=True))
 
     assert view(("dead", 7.0)) == ["dead"]  # nothing fresher heard yet: it may be alive
     assert view(("dead", 7.0), ("a", 0.5), ("b", 1.0)) == ["a", "b"]
     # every heartbeat 9 s late: none is older than the others
     assert view(("a", 9.0), ("b", 9.0), ("c", 9.0)) == ["a", "b", "c"]
+    # once placed, a host whose heartbeats arrive late stays in the map (the ttl on
+    # arrival expires a dead one)
+    assert sorted(e.peer_id for e in service.live()) == ["a", "b", "c"]
+    view(("late", 7.0), ("a", 0.5))
+    assert sorted(e.peer_id for e in service.live()) == ["a", "late"]

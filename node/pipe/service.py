@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -104,37 +105,41 @@ class PipelineService:
 
     # -- the stage map -------------------------------------------------------------------
 
-    def live(self) -> list[Any]:
+    def live(self, first_choice: bool = False) -> list[Any]:
         """The membership view's live peers, less those whose last heartbeat was written
         more than FRESH_S ago (its `t`, judged by the swarm's clock: Membership.age):
         gossip re-delivered heartbeats minutes old (a relay's backlog, a seen-cache that
         expired) and they made a killed host look live and a swarm step 200 steps old look
-        current. Less, too, those written more than a peer ttl before the freshest one
-        heard: a replacement that starts within seconds of its predecessor's death (as
-        fast as a joiner does since trainers yield the CPU, node/priority.py) got the dead
-        host's last heartbeat from gossip's history, stamped live on arrival, took another
-        stage, and a trained host took the dead one's over (CI, 2026-11-26). A delay that
-        holds every peer's heartbeats back alike moves none of them against the others."""
+        current.
+
+        `first_choice` (a joiner choosing its stage): less, too, those written more than a
+        peer ttl before the freshest one heard. A replacement that starts within seconds of
+        its predecessor's death (as fast as a joiner does since trainers yield the CPU,
+        node/priority.py) got the dead host's last heartbeat from gossip's history, stamped
+        live on arrival, took another stage, and a trained host took the dead one's over
+        (CI, 2026-11-26). Only for that choice: later the ttl on arrival expires such an
+        entry, and a host whose heartbeats arrive late under load stays in the map."""
         ctx = self._ctx
         assert ctx is not None
         now = time.time()
         aged = [(e, ctx.membership.age(e, now)) for e in ctx.membership.live()]
         freshest = min((a for _, a in aged if a is not None), default=0.0)
-        return [e for e, age in aged if age is None
-                or (age <= FRESH_S and age - freshest <= ctx.config.peer_ttl_s)]
+        margin = ctx.config.peer_ttl_s if first_choice else math.inf
+        return [e for e, age in aged
+                if age is None or (age <= FRESH_S and age - freshest <= margin)]
 
     def swarm_step(self) -> int:
         """The highest step a fresh live peer reports."""
         steps = [(e.info.get("stats") or {}).get("step") for e in self.live()]
         return max((x for x in steps if type(x) is int), default=0)
 
-    def hosts(self) -> dict[str, int]:
+    def hosts(self, first_choice: bool = False) -> dict[str, int]:
         """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
         ctx = self._ctx
         assert ctx is not None
         doc = ctx.run.document if ctx.run else None
         out: dict[str, int] = {}
-        for e in self.live():
+        for e in self.live(first_choice):
             if e.info.get("role") != "node" or e.peer_id == ctx.peer_id:
                 continue
             s = (e.info.get("stats") or {}).get("stage")
@@ -240,7 +245,7 @@ class PipelineService:
             # One ttl later those have expired and every live peer has beaten again.
             if time.monotonic() - ctx.phases.started > ctx.config.peer_ttl_s:
                 await trio.sleep(ctx.config.peer_ttl_s)
-            self._set_stage(placement.choose(self.hosts(), self.n))
+            self._set_stage(placement.choose(self.hosts(first_choice=True), self.n))
             nursery.start_soon(self._follow_membership, ctx)
             if self.m.pipeline is not None and self.m.pipeline.recovery == "checkfree+":
                 nursery.start_soon(self._keep_ends)
