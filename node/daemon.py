@@ -270,7 +270,7 @@ class Node:
         from node.averaging.history_gossip import HistoryGossip
         from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager
-        from node.training.build import neighbours, resume_newest
+        from node.training.build import POISON_ROUNDS, neighbours, resume_newest
         from node.training.service import TrainingService
 
         run, checkpoints = ctx.the_run(), self._checkpoints
@@ -311,7 +311,8 @@ class Node:
             exchange=(averager.allreduce if m.outer.algorithm == "diloco" else averager.exchange)
             if averager else None,
             checkpoint_every=m.checkpoint.every_steps, on_snapshot=checkpoints.save,
-            replay_to_align=config.attack is not None, stats=run.progress))
+            poison_steps=POISON_ROUNDS * m.outer.inner_steps if config.attack else None,
+            stats=run.progress))
         return services
 
     # -- start and stop -----------------------------------------------------------------------

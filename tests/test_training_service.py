@@ -213,19 +213,26 @@ async def test_a_node_that_jumps_lands_on_the_swarm_boundary_and_exchanges_there
     assert rounds[0] == 2  # the swarm's last boundary, not the one after it
 
 
-async def test_a_replaying_attacker_aims_one_round_past_the_swarm_and_trains_every_step():
-    """A testnet sybil trains the steps it is behind (so its identities stay bit-identical),
-    which takes as long as the swarm takes to move on: it aims one round past the swarm's
-    last boundary, or a sybil that started late would stay that far behind for good."""
-    rounds: list[int] = []
+async def test_an_attacker_trains_its_poison_then_follows_the_swarm_with_that_model():
+    """A testnet sybil trains `poison_steps`, then sends that very model at every round
+    boundary the swarm crosses (its identities stay bit-identical without training in
+    lockstep); its step follows the swarm's and never leads it."""
+    sent: dict[int, torch.Tensor] = {}
     trained: list[int] = []
+    follow = trio.Event()
 
     async def exchange(r: int, snapshot) -> Outcome:
-        rounds.append(r)
+        sent[r] = snapshot
+        if r == 2:  # the poison is trained: the swarm is in round 5 by now
+            service.swarm_step = 5 * H + 2
+        if r == 5:
+            follow.set()
         return Outcome(r, [])
 
-    def counting():
-        trainer, outer, h = build()()
+    def attacker():
+        from node.optim.gossip import GossipLearning, layout_of
+
+        trainer, _, h = build()()
         step = trainer.step
 
         def counted():
@@ -233,15 +240,21 @@ async def test_a_replaying_attacker_aims_one_round_past_the_swarm_and_trains_eve
             return step()
 
         trainer.step = counted
-        return trainer, outer, h
+        return trainer, GossipLearning(layout_of(trainer.model), aggregator=None), h
 
-    service = TrainingService(counting, exchange=exchange, max_steps=4 * H,
-                              replay_to_align=True)
-    service.swarm_step = 2 * H + 2  # past round 2's boundary: aim for round 3's
+    service = TrainingService(attacker, exchange=exchange, poison_steps=2 * H)
+    # A round ahead from the start (an honest node would jump to step 2H - 1): the poison is
+    # trained all the same. No further: past 2H, what it follows is set at round 2 above.
+    service.swarm_step = 2 * H
     with trio.fail_after(60):
-        await service.run()
-    assert rounds[0] == 3
-    assert trained == list(range(4 * H))  # no step skipped
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.run)
+            await follow.wait()
+            nursery.cancel_scope.cancel()
+    assert trained == list(range(2 * H))  # no step skipped while poisoning, none after
+    assert sorted(sent) == [1, 2, 5]  # the swarm's round, straight from the poison's end
+    assert torch.equal(sent[5], sent[2])  # the model sent is the poisoned one, as it is
+    assert service.stats.step == 5 * H + 2 == service.swarm_step  # with the swarm, not ahead
 
 
 async def test_diloco_waits_for_each_all_reduce_and_steps_on_the_mean():

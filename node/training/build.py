@@ -22,6 +22,9 @@ def replica_index(peer_id: str) -> int:
 
 
 ATTACKER_REPLICA = "sybil-attacker"  # every sybil draws the same data: identical models
+# A testnet attacker trains this many rounds on its poisoned data, then sends that model
+# every round (its label-flip rate is 0.51 at step 400 of the sybil scenario, 0.45 at 250).
+POISON_ROUNDS = 2
 
 
 def check_swarm_algorithm(m: mf.Manifest, attack: str | None = None) -> None:

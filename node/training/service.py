@@ -81,7 +81,7 @@ class TrainingService:
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
                  max_steps: int | None = None, checkpoint_every: int = 0,
                  on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None,
-                 replay_to_align: bool = False, stats: TrainingStats | None = None) -> None:
+                 poison_steps: int | None = None, stats: TrainingStats | None = None) -> None:
         # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
         # No outer optimizer: the no-communication baseline, plain local training.
         self._build = build
@@ -89,10 +89,9 @@ class TrainingService:
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
         self._on_snapshot = on_snapshot
-        # Catch up with the swarm by training the skipped steps instead of skipping them: a
-        # testnet attacker's sybils then stay bit-identical (same stream, same steps), as one
-        # attacker's identities sending one model would be.
-        self.replay_to_align = replay_to_align
+        # A testnet attacker (`--attack`): train this many steps on its poisoned data, then
+        # keep that model and only follow the swarm's step (`_send_as_is`).
+        self.poison_steps = poison_steps
         self.stats = stats if stats is not None else TrainingStats()
         # Highest step a live peer reported (set from the trio thread). A node that is a
         # round or more behind jumps to the swarm's round: pairing only works when peers
@@ -230,32 +229,27 @@ class TrainingService:
         # only on the multiple itself: a node that jumps to the swarm's round may land on
         # (or skip) it, and a restarted, lagging node went hundreds of steps without one.
         saved = st.step // self.checkpoint_every if self.checkpoint_every else 0
+        first = st.step
         while not self._stop.is_set():
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
                 return
             self._apply_outcomes(trainer, outer, pending)
-            if outer is not None and self.swarm_step >= st.step + inner_steps:
+            if self.poison_steps is not None and st.step - first >= self.poison_steps:
+                self._send_as_is(trainer, outer, inner_steps, pending, post)
+                return
+            if (outer is not None and self.poison_steps is None
+                    and self.swarm_step >= st.step + inner_steps):
                 # Continue one step before the swarm's last boundary, so that the next step
                 # reaches it: partners that got there first wait for us a few seconds
                 # (Averager.deadline). Landing on the boundary itself skipped it, and a slow
                 # node that kept catching up met its partners in no round at all (the
                 # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges).
                 target = self.swarm_step // inner_steps * inner_steps - 1
-                if self.replay_to_align:
-                    # Replaying takes as long as the swarm takes to move on: aim a round
-                    # further (never a full round past the swarm, which would make others
-                    # jump), or a sybil that started late stays rounds behind for good.
-                    target += inner_steps
                 log.info("step %d is behind the swarm (%d): continuing from step %d",
                          st.step, self.swarm_step, target)
                 for r in sorted(pending):
                     self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
-                if self.replay_to_align:
-                    lower_thread_priority()  # catching up is the trainer's work, not the join's
-                    lower_session_priority()
-                    while trainer.step_count < target and not self._stop.is_set():
-                        trainer.step()
                 trainer.step_count = st.step = target
             t0 = time.perf_counter()
             s = trainer.step()
@@ -284,6 +278,37 @@ class TrainingService:
                 post(Boundary(st.round, snapshot.clone()))
                 if getattr(outer, "synchronous", False):
                     self._wait_for(st.round, trainer, outer, pending, posted)
+
+    def _send_as_is(self, trainer: Any, outer: Any, inner_steps: int,
+                    pending: dict[int, Any], post: Callable[[Any], None]) -> None:
+        """A testnet attacker past its poisoning steps: the model stays as it is, the step
+        follows the swarm's, and each round crossed posts that model as the boundary's.
+
+        Its identities (separate processes) then stay bit-identical without training in
+        lockstep. Replaying the steps a sybil was behind instead cost each identity an
+        honest node's CPU, and on a loaded machine the replay never caught up with a swarm
+        that skips (stop 26's CI: no round with both sybils in 300 s). It never steps past
+        the swarm: a peer ahead makes every honest node skip steps to its round."""
+        st = self.stats
+        while not self._stop.is_set():
+            self._apply_outcomes(trainer, outer, pending)
+            target = self.swarm_step
+            if self.max_steps is not None:
+                target = min(target, self.max_steps)
+            if target > st.step:
+                crossed = target // inner_steps > st.step // inner_steps
+                trainer.step_count = st.step = target
+                if crossed and outer is not None:
+                    st.round = target // inner_steps
+                    for r in sorted(pending):
+                        self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
+                        st.rounds_local += 1
+                    pending[st.round] = snapshot = trainer.parameters_vector()
+                    post(Boundary(st.round, snapshot.clone()))
+            if self.max_steps is not None and st.step >= self.max_steps:
+                st.phase = "done"
+                return
+            self._stop.wait(0.05)
 
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
                   started: float) -> None:
