@@ -219,9 +219,8 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
                 "sybil weight"] if robust else
                ["node", "id", "phase", "peers", "paths", "step", "loss", "val", "partner",
                 "MB out/in", "compute"])
-    if compact:
-        columns.remove("id")
-        columns.remove("paths")  # 80 columns: `node status` shows each path
+    if compact:  # 80 columns: `node status` shows the id and each path
+        columns = [c for c in columns if c not in ("id", "paths")]
     if any((r.get("status") or {}).get("pipeline") for r in rows):
         columns.insert(columns.index("phase") + 1, "stage")
     if churn:

@@ -46,6 +46,23 @@ def test_an_80_column_terminal_gets_every_value_whole():
     assert "…" + IDS[4][-6:] in next(line for line in lines if line.startswith("node3"))
 
 
+def test_a_sybil_scenario_in_an_80_column_terminal():
+    """Classification runs have no paths column to drop (it crashed `node testnet status`
+    on an 80-column terminal: list.remove(x): x not in list)."""
+    robust = [{"name": "sybil1", "status": {
+        "peer_id": IDS[1], "phase": "running", "role": "node", "membership": {"peers": [1]},
+        "training": {"phase": "training", "step": 400, "loss": 0.6,
+                     "val_metrics": {"accuracy": 0.797, "label_flip": 0.507, "backdoor": 0.13},
+                     "aggregation": {"weights": {"self": 1.0}}}}}]
+    console = Console(width=80, record=True)
+    console.print(r.testnet_table(robust, "testnet Qm...", width=80))
+    lines = console.export_text().splitlines()
+    assert lines[1].split() == ["node", "phase", "peers", "step", "loss", "acc", "flip",
+                                "backdoor", "sybil", "weight"]
+    assert lines[2].split() == ["sybil1", "training", "1", "400", "0.600", "79.7%", "50.7%",
+                                "13.0%", "0.0%"]
+
+
 def test_a_wide_terminal_also_gets_peer_ids():
     text = "\n".join(table(140))
     assert "id" in text.split("\n")[2] and IDS[1][-6:] in text
