@@ -13,6 +13,8 @@ gossiped histories in-process in tests/test_aggregate.py.
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from testnet import launcher
@@ -20,6 +22,8 @@ from tests.conftest import answer, cli, status, training, wait_until
 
 SYBIL_MANIFEST = launcher.scenario_manifest_path("sybil")
 SAMPLES = 3  # node1's aggregations with both sybils as neighbours
+TRAINED_STEP = 2000  # 10 rounds: honest models at 78-88% accuracy
+FLIP_SAMPLES = 5  # evaluations per honest node whose label-flip rates are compared
 # node1 is the honest node that meets the attacker; node3 hears of the sybils only by gossip.
 TOPOLOGY = {"node1": ["sybil1", "sybil2", "node2"], "node2": ["node3"]}
 
@@ -88,27 +92,38 @@ def test_sybilwall_down_weights_sybils_and_gossips_signed_histories(testnet_fact
     # yet reports no rate at all.
     flip_sybil = wait_until(lambda: (f := min(label_flip(p) or 0 for p in sybils)) > 0.2 and f,
                             120, "both sybils to learn the label flip")
-    # Each honest node's rate from an evaluation of a trained model (past 85% accuracy,
-    # after an aggregation, so the attack had its chance to arrive): a half-trained model
-    # on a node's skewed class mix confuses the flipped class by chance: 0.30 from an
-    # untrained model (CI of 2026-11-26 at load ~12), 0.29 at 68% accuracy (ci84, quiet),
-    # 0.19 just past 75% (ci88: the scenario reaches its evaluations in 15-40 s since joins
-    # are quicker, 150-250 s before), while the others were at 0.01-0.08.
-    def trained(p: launcher.Proc) -> dict | None:
-        t = training(p)
-        m = t.get("val_metrics") or {}
-        return m if (m.get("accuracy") or 0) > 0.85 and t.get("rounds_averaged", 0) >= 1 \
-            and m.get("label_flip") is not None else None
+    # Each honest node's rate over several evaluations of a trained model (past step
+    # TRAINED_STEP), the median of FLIP_SAMPLES: a single evaluation of a model trained on
+    # a skewed class mix confuses the flipped class by chance now and then (0.30 at 78%
+    # accuracy in a 4-node testnet, where the same node read 0.04 a minute later; 0.29 at
+    # 68% in ci84), while its other evaluations and the other nodes read 0.01-0.08. Waiting
+    # for every node to be past 85% accuracy at once instead was waiting for chance: the
+    # nodes hover at 78-88% (CI beside a busy core, 2026-11-27: not in 180 s).
+    samples: dict[str, list[dict]] = {p.name: [] for p in honest(net)}
 
-    evals = wait_until(lambda: (m := [trained(p) for p in honest(net)]) and all(m) and m,
-                       180, "every honest node to evaluate a trained model")
-    flips = [m["label_flip"] for m in evals]
+    def sample() -> bool:
+        for p in honest(net):
+            t = training(p)
+            m = t.get("val_metrics") or {}
+            taken = samples[p.name]
+            if (t.get("step") or 0) >= TRAINED_STEP and m.get("label_flip") is not None \
+                    and (not taken or taken[-1] != m) and len(taken) < FLIP_SAMPLES:
+                taken.append(m)
+        return all(len(taken) >= FLIP_SAMPLES for taken in samples.values())
+
+    wait_until(sample, 180, f"{FLIP_SAMPLES} evaluations of each honest node past step "
+               f"{TRAINED_STEP}", interval=0.05)
+    flips = {name: statistics.median(m["label_flip"] for m in taken)
+             for name, taken in samples.items()}
+    accuracy = {name: statistics.median(m["accuracy"] for m in taken)
+                for name, taken in samples.items()}
     # No honest node learns the attack: node1, which meets the sybils, because SybilWall
     # weighs them 0 (in rounds where one of them came alone too: it remembers that they
     # once sent one model); node2 and node3 hear of them only through node1.
-    print("label-flip rates: sybils", flip_sybil, "honest node1..3", flips,
-          "accuracy", [m["accuracy"] for m in evals])
-    assert max(flips) < flip_sybil / 2, (flip_sybil, flips)
+    print("label-flip rates (medians): sybils", flip_sybil, "honest", flips,
+          "accuracy", accuracy)
+    assert all(a > 0.6 for a in accuracy.values()), accuracy  # trained models, all of them
+    assert max(flips.values()) < flip_sybil / 2, (flip_sybil, flips)
 
 
 def test_attack_flag_is_checked(tmp_path):
