@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 # Pitfall 1: a fixed 250 ms head start per dial, paid even on success. We offer one
 # transport (TCP), so there is nothing to race.
 _swarm._HAPPY_EYEBALLS_DELAY = 0.0
+# py-libp2p's Yamux returns receive credit on every read (a WINDOW_UPDATE frame: Noise-
+# encrypted, one send), and gossipsub reads each message's length prefix a byte at a
+# time: several frames back for every message received. go-yamux's rule instead (its
+# hysteresis: credit back once half the window is used). A user's own setting wins.
+os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 Handler = Callable[[INetStream], Awaitable[None]]
 
