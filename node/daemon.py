@@ -229,9 +229,11 @@ class Node:
 
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
             # is still loading in the background (node/preload.py).
-            self._checkpoints = CheckpointService(publish=rundoc.publish,
-                                                  synced=rundoc.first_sync,
-                                                  still_loading=preload.pending)
+            self._checkpoints = CheckpointService(
+                publish=rundoc.publish, synced=rundoc.first_sync,
+                still_loading=preload.pending,
+                members_heard=lambda: any(p != ctx.peer_id
+                                          for p in ctx.membership.live_nodes()))
             services.append(self._checkpoints)
             # Built while the checkpoint downloads; the trainer resumes it from the
             # checkpoint once that is in (_trainer_services).

@@ -32,3 +32,35 @@ def test_a_new_nodes_first_heartbeats_come_sooner_then_every_interval():
     first = heartbeats.FIRST_BEATS
     assert gaps[:first] == [heartbeats.FIRST_BEATS_S] * first
     assert gaps[first:] == [1.0] * (len(gaps) - first) and len(gaps) > first
+
+
+def test_a_joiner_waits_for_the_run_documents_first_sync_while_members_are_heard():
+    """A joiner learns the run's newest checkpoint from its first run-document sync. Once
+    torch is in, a joiner that had heard nobody (a run's first node) stops waiting after
+    SYNC_WAIT_S; one that hears training members waits for the sync, up to
+    SYNC_WAIT_LOADING_S: giving up after 6 s under load made it train from scratch."""
+    from node.checkpoints import service as ckpt
+    from node.service import Phases
+
+    def ended_after(heard: bool, synced_at: float | None) -> float:
+        ctx = SimpleNamespace(phases=Phases(), the_run=lambda: SimpleNamespace(
+            document=SimpleNamespace(entries=lambda: [])))  # no checkpoint listed
+
+        async def main() -> float:
+            synced = trio.Event()
+            service = ckpt.CheckpointService(publish=lambda delta: None, synced=synced,
+                                             members_heard=lambda: heard)
+            async with trio.open_nursery() as nursery:
+                if synced_at is not None:
+                    async def sync_then() -> None:
+                        await trio.sleep(synced_at)
+                        synced.set()
+                    nursery.start_soon(sync_then)
+                assert await service._pull_newest(ctx) is None
+                return trio.current_time()
+
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    assert ended_after(heard=False, synced_at=None) == ckpt.SYNC_WAIT_S
+    assert ended_after(heard=True, synced_at=None) == ckpt.SYNC_WAIT_LOADING_S
+    assert ended_after(heard=True, synced_at=12.0) == 12.0

@@ -33,6 +33,7 @@ PROVIDER_LOOKUP_S = 3.0  # joining: how long the DHT may take to name checkpoint
 SYNC_WAIT_S = 5.0  # joining: how long to wait for a first run-document sync (a first node
 # has nobody to sync with)
 SYNC_WAIT_LOADING_S = 30.0  # ... and while torch still loads (the wait then costs nothing)
+# or a training member has been heard (a run with members has checkpoints to start from)
 PULL_TRIES = 3  # joining: pulls tried, of the newest listed checkpoint each time
 # ... and the pause before the same one is asked for again. Under load a provider's host
 # can take longer than py-libp2p's 10 s protocol negotiation: `node bench join` at load 12
@@ -49,12 +50,16 @@ class CheckpointService:
     protocols = ()  # /peertrain/ckpt/1.0.0 is served by CheckpointServer on every node
 
     def __init__(self, publish: Callable[[bytes], None], synced: trio.Event,
-                 still_loading: Callable[[], bool] = lambda: False) -> None:
+                 still_loading: Callable[[], bool] = lambda: False,
+                 members_heard: Callable[[], bool] = lambda: False) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
         # True while the trainer could not start anyway (torch is still loading:
         # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
+        # True once a live training node's heartbeat has been heard: the run has members
+        # (and likely checkpoints), so their run document is worth waiting for.
+        self._members_heard = members_heard
         self.download: dict[str, Any] | None = None
         self.saved = 0
         self.failed = 0
@@ -88,10 +93,13 @@ class CheckpointService:
             await self._synced.wait()
         # A joiner that gives up on the sync finds no checkpoint and trains from scratch:
         # measured on a loaded machine (load 9-20), the first sync of 3 of 3 joiners took
-        # longer than 5 s, while their torch import took 15 s. Waiting while torch loads
-        # delays nothing.
+        # longer than 5 s, while their torch import took 15 s; and with torch in after 6 s
+        # (py-spy beside 4 trainers) a joiner gave up while members were answering slowly.
+        # Waiting while torch loads delays nothing; waiting while members are heard beats
+        # starting from scratch in their run. A run's first node hears nobody: 5 s.
         with trio.move_on_after(SYNC_WAIT_LOADING_S - SYNC_WAIT_S):
-            while not self._synced.is_set() and self._still_loading():
+            while not self._synced.is_set() and (self._still_loading()
+                                                 or self._members_heard()):
                 with trio.move_on_after(0.1):
                     await self._synced.wait()
         if not checkpoint_index(run.document):
