@@ -267,15 +267,8 @@ class TrainingService:
                 saved = s.step // self.checkpoint_every
                 post(Snapshot(s.step, checkpoint_tensors(trainer, outer)))
             if outer is not None and s.step % inner_steps == 0:
-                st.round = s.step // inner_steps
-                # A round whose exchange has not come back by now is closed locally.
-                for r in sorted(pending):
-                    self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
-                    st.rounds_local += 1
-                snapshot = trainer.parameters_vector()
-                pending[st.round] = snapshot
+                self._post_boundary(s.step // inner_steps, trainer, outer, pending, post)
                 posted = time.perf_counter()
-                post(Boundary(st.round, snapshot.clone()))
                 if getattr(outer, "synchronous", False):
                     self._wait_for(st.round, trainer, outer, pending, posted)
 
@@ -299,16 +292,22 @@ class TrainingService:
                 crossed = target // inner_steps > st.step // inner_steps
                 trainer.step_count = st.step = target
                 if crossed and outer is not None:
-                    st.round = target // inner_steps
-                    for r in sorted(pending):
-                        self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
-                        st.rounds_local += 1
-                    pending[st.round] = snapshot = trainer.parameters_vector()
-                    post(Boundary(st.round, snapshot.clone()))
+                    self._post_boundary(target // inner_steps, trainer, outer, pending, post)
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
                 return
             self._stop.wait(0.05)
+
+    def _post_boundary(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
+                       post: Callable[[Any], None]) -> None:
+        """Round r's boundary: a round whose exchange has not come back by now is closed
+        locally, and the model goes out for round r's exchange."""
+        self.stats.round = r
+        for old in sorted(pending):
+            self._outer_step(trainer, outer, pending.pop(old), Outcome(old, []))
+            self.stats.rounds_local += 1
+        pending[r] = snapshot = trainer.parameters_vector()
+        post(Boundary(r, snapshot.clone()))
 
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
                   started: float) -> None:
