@@ -267,8 +267,10 @@ class TrainingService:
                 saved = s.step // self.checkpoint_every
                 post(Snapshot(s.step, checkpoint_tensors(trainer, outer)))
             if outer is not None and s.step % inner_steps == 0:
-                self._post_boundary(s.step // inner_steps, trainer, outer, pending, post)
+                # the clock starts before the post: the exchange may begin (and its
+                # all-reduce run) before this thread is back from handing the boundary over
                 posted = time.perf_counter()
+                self._post_boundary(s.step // inner_steps, trainer, outer, pending, post)
                 if getattr(outer, "synchronous", False):
                     self._wait_for(st.round, trainer, outer, pending, posted)
 
@@ -312,7 +314,7 @@ class TrainingService:
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
                   started: float) -> None:
         """DiLoCo: no inner step before round r's all-reduce is back (the averager's own
-        deadlines bound the wait); the time waited since the boundary was posted is
+        deadlines bound the wait); the time from posting the boundary to its outcome is
         counted apart from compute."""
         while r in pending and not self._stop.is_set():
             self._apply_outcomes(trainer, outer, pending)
