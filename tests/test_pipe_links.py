@@ -333,6 +333,57 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     assert workers[1].stats.micro_batches >= 3  # micro-batch 1 of every step went through
 
 
+def test_a_first_stage_behind_the_swarm_gives_its_step_up_and_joins_the_swarm_s():
+    """A head gradient for step 5 reaches a first-stage replica still at step 0: the last
+    stage has finished step 5, so our step-0 micro-batches were refused there as stale.
+    The replica drops them at once (not after its deadline) and goes on at step 6, the
+    tied matrix it sends marked for step 6: two replicas a step apart otherwise lost
+    every step, each a deadline long (tests/test_pipeline_replicas.py, stop 27's CI)."""
+    workers, _, _ = wire_pipeline(2)
+    driver = workers[0]
+    driver.first_wait_s = 60.0  # waiting it out would leave the step at 1
+    tied_steps = []
+    post = driver.post
+
+    def record(to, kind, stage, step, mb, hop, tensor):
+        if kind == "tied":
+            tied_steps.append(step)
+        post(to, kind, stage, step, mb, hop, tensor)
+    driver.post = record
+    wte = driver.runner.stage.wte.weight
+    driver.inbox.offer(Message("tgrad", 5, 0, torch.zeros_like(wte), "1", 0))
+    driver.drive_step()
+    assert driver.step == 6 and tied_steps == [6]
+    assert driver.stats.dropped == 2 and "the swarm is at step 6" in driver.stats.last_reason
+
+
+def test_a_first_stage_waits_for_the_head_gradient_of_every_last_stage_host():
+    """With two last-stage hosts a first-stage replica takes its step once both have sent
+    their head gradient, each added once: on the first alone, its next micro-batches could
+    overtake another replica's last one at the other host, which refused that one as
+    stale (a lost micro-batch, then a deadline for every host)."""
+    workers, _, _ = wire_pipeline(2)
+    driver = workers[0]
+    driver.first_wait_s = 60.0
+    driver.last_hosts = lambda step: 2
+    wte = driver.runner.stage.wte.weight
+    added = []
+    add = driver.runner.stage.add_tied_grad
+    driver.runner.stage.add_tied_grad = lambda g: (added.append(float(g[0, 0])), add(g))
+
+    def last_stage(to, kind, stage, step, mb, hop, tensor):  # answers at once
+        if kind == "act":
+            driver.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), "1", 0))
+            if mb == driver.M - 1:  # both hosts finish the step; X's gradient comes twice
+                for sender, g in (("X", 1.0), ("X", 1.0), ("Y", 2.0)):
+                    driver.inbox.offer(Message("tgrad", step, 0, torch.full_like(wte, g),
+                                               sender, 0))
+    driver.post = last_stage
+    driver.drive_step()
+    assert driver.step == 1 and sorted(added) == [1.0, 2.0]
+    assert driver.inbox.qsize() == 0 and driver.stats.dropped == 0
+
+
 @pytest.mark.parametrize("norm", [-1.0, float("inf"), float("nan"), 1e9, "0.5"])
 def test_an_absurd_gossiped_gradient_norm_refuses_the_rebuild(norm):
     from node.recovery.checkfree import BadGradNorm, plan

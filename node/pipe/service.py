@@ -441,13 +441,26 @@ class PipelineService:
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
                            device=self.device, first_step=self._swarm_step(),
-                           leader_step=self._leader_step, layers=self.layers, swap=self.swap)
+                           leader_step=self._leader_step, layers=self.layers, swap=self.swap,
+                           last_hosts=self._last_hosts)
 
     def _leader_step(self) -> int:
         """The highest step a live stage host reports (heartbeats): a first stage behind
         it (a late replica, one restarted from the seed) would send only stale work."""
         assert self._ctx is not None
         return self.swarm_step()
+
+    def _last_hosts(self, step: int) -> int:
+        """How many last-stage hosts get micro-batches of `step` from some first-stage
+        replica (trainer thread): the hosts a driver hears a head gradient from."""
+        counts = [len(row) for row in self.stage_map()]
+        p = self.m.pipeline
+        assert p is not None
+        if 0 in counts:  # a stage without a host: no step completes anyway
+            return 1
+        return len({placement.last_replica(self.m.run.seed, step, k, r,
+                                           [counts[v.stage] for v in path], p.routing)
+                    for k, path in enumerate(self.paths) for r in range(counts[0])})
 
     def _swarm_step(self) -> int:
         """Where a stage that starts late starts counting: the swarm's step (a driver that

@@ -8,7 +8,9 @@ the peer). It never waits without a deadline:
   each one's activations to the next stage and its targets to the last stage, then waits
   for the gradients (and the last stage's head gradient) until the step's deadline; what
   has not come back by then is dropped (`StageRunner.drop`), the rest steps. It then
-  sends the updated tied matrix to the last stage.
+  sends the updated tied matrix to the last stage. A message for a later step (another
+  first-stage replica's, relayed) means the stages after it moved on: it gives up the
+  step at once and joins theirs (replicas one step apart lost every step otherwise).
 * Any other stage serves: activations in -> forward -> out, gradients in -> backward ->
   back to whoever sent the activations. A stage steps when all of the step's
   micro-batches are back, when a newer step's activations arrive, or when the step has
@@ -79,6 +81,7 @@ class StageWorker:
                  batches: Callable[[], tuple[Any, Any]] | None = None,
                  ready: Callable[[], bool] = lambda: True, device: str = "cpu",
                  first_step: int = 0, leader_step: Callable[[], int] = lambda: 0,
+                 last_hosts: Callable[[int], int] = lambda step: 1,
                  first_wait_s: float = FIRST_WAIT_S, layers: Sequence[int] | None = None,
                  swap: bool = False) -> None:
         from node.pipeline.schedule import hops
@@ -105,6 +108,7 @@ class StageWorker:
         # First-stage replicas keep in step: one behind the most advanced replica's step
         # jumps to it (else its micro-batches reach stages already past that step, stale).
         self.leader_step = leader_step
+        self.last_hosts = last_hosts  # how many last-stage hosts a step's micro-batches reach
         self.stats = WorkerStats()
         self.tied_version = 0  # last stage: the step its tied matrix is for
         self._deferred: deque[Message | Lost] = deque()  # read while awaiting the tied matrix
@@ -225,15 +229,21 @@ class StageWorker:
             self.post(("next", t, k, 0), "act", path[1].stage, t, k, 1, out)
         if self.stats.first_mb_at is None:
             self.stats.first_mb_at = t0
-        need_tied = True
+        # A head gradient from each last-stage host the step's micro-batches reach: each
+        # sends its own when it has all of them (none after a loss). Going on at the first
+        # let our next micro-batches overtake another first-stage replica's last one of
+        # step t at the other last-stage host, which then refused that one as stale (a
+        # lost micro-batch, and a deadline for every host).
+        need_tied = max(1, self.last_hosts(t))
+        tied_from: set[str] = set()
         done = 0
         deadline = t0 + self.wait_s()
         lost = 0
+        ahead = 0  # a later step the swarm is at, seen in a message for it: ours is lost
         last_back: float | None = None
         came_from: dict[tuple[int, int], str] = {}  # our interior visits awaiting gradients
         seen: set[tuple[int, int]] = set()  # ... and those already run
-        # the head gradient comes when the last stage has all M micro-batches: not after a loss
-        while (pending or (need_tied and not lost)) and not self.stop.is_set():
+        while (pending or (len(tied_from) < need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -242,6 +252,13 @@ class StageWorker:
                 continue
             if item.step != t:
                 self.stats.stale += 1
+                if isinstance(item, Message) and item.step > t:
+                    # The stages after us serve a later step, so they refused ours as
+                    # stale: waiting out the deadline would only keep us a step behind the
+                    # other first-stage replicas, every step (stop 27's CI). A head
+                    # gradient is for a step the last stage finished: the swarm's is next.
+                    ahead = item.step + (item.kind == "tgrad")
+                    break
                 continue
             if isinstance(item, Lost):
                 if item.kind in ("act", "grad", "tgt") and item.mb in pending:
@@ -262,13 +279,16 @@ class StageWorker:
                     lost += 1
                     continue
                 done += 1
-            elif item.kind == "tgrad":
+            elif item.kind == "tgrad" and item.sender not in tied_from:
                 r.stage.add_tied_grad(self._dev(item.tensor))
-                need_tied = False
+                tied_from.add(item.sender)
                 last_back = time.monotonic()
         for k in pending:
             self._drop_all(k, came_from)
-        if pending:
+        if pending and ahead:
+            self._lost(f"step {t}: {len(pending)} micro-batches refused, the swarm is at "
+                       f"step {ahead}", len(pending))
+        elif pending:
             self._lost(f"step {t}: {len(pending)} micro-batches not back within "
                        f"{self.wait_s():.1f} s", len(pending))
         if done:
@@ -277,9 +297,9 @@ class StageWorker:
             self.progress.grad_norm = round(r.grad_norm, 6)
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
-        self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, t + 1, 0,
+        self.step = max(t + 1, ahead)
+        self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, self.step, 0,
                   self.n_stages - 1, r.stage.wte.weight.detach())
-        self.step = t + 1
         self.progress.step = self.step
         self._after_step(self.step)
         self._timed(t0, last_back)
