@@ -333,7 +333,7 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     assert workers[1].stats.micro_batches >= 3  # micro-batch 1 of every step went through
 
 
-def test_a_first_stage_behind_the_swarm_gives_its_step_up_and_joins_the_swarm_s():
+def test_a_first_stage_behind_the_swarm_gives_its_step_up_at_once():
     """A head gradient for step 5 reaches a first-stage replica still at step 0: the last
     stage has finished step 5, so our step-0 micro-batches were refused there as stale.
     The replica drops them at once (not after its deadline) and goes on at step 6, the
