@@ -99,7 +99,7 @@ class Node:
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
-        self._prebuilt: Any = None  # ... and its trainer, built while that one downloads
+        self._prebuilt: Any = None  # ... and its trainer, built once torch is in (Prebuild)
         self.metrics = MetricsService(self.status, config.metrics,
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
@@ -235,13 +235,14 @@ class Node:
                 members_heard=lambda: any(p != ctx.peer_id
                                           for p in ctx.membership.live_nodes()))
             services.append(self._checkpoints)
-            # Built while the checkpoint downloads; the trainer resumes it from the
-            # checkpoint once that is in (_trainer_services).
+            # Built once torch is in, but not while a checkpoint downloads; the trainer
+            # resumes it from the checkpoint once that is in (_trainer_services).
             from node.training.build import Prebuild, build_training
 
+            checkpoints = self._checkpoints
             self._prebuilt = Prebuild(lambda: build_training(
                 manifest, ctx.peer_id, resolve_device_name(config.device), config.data,
-                attack=config.attack))
+                attack=config.attack), hold=lambda: checkpoints.downloading)
         return services
 
     async def _trainer_services(self) -> list[Service]:

@@ -1,4 +1,5 @@
-"""The trainer built beside the checkpoint download (node/training/build.py, `Prebuild`)."""
+"""The trainer built in the background once torch is in and no checkpoint downloads
+(node/training/build.py, `Prebuild`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,41 @@ def test_a_node_stopped_while_torch_loads_builds_nothing(monkeypatch):
     built: list[int] = []
     prebuild = Prebuild(lambda: built.append(1))  # type: ignore[arg-type, return-value]
     assert asked.wait(10)
+    prebuild.cancel()
+    with pytest.raises(CancelledError):
+        prebuild.result()
+    assert built == []
+
+
+def test_the_build_waits_while_a_checkpoint_downloads():
+    """Torch is in, but a checkpoint is downloading: the build starts once it is not (beside
+    the download it slowed the download more than it saved)."""
+    downloading = threading.Event()
+    downloading.set()
+    asked = threading.Event()
+
+    def hold() -> bool:
+        asked.set()
+        return downloading.is_set()
+
+    built: list[int] = []
+    prebuild = Prebuild(lambda: (built.append(1), ("trainer", "outer", 5))[1], hold=hold)
+    assert asked.wait(30)  # torch is loaded; the download holds the build back
+    assert built == []
+    downloading.clear()
+    assert prebuild.result() == ("trainer", "outer", 5) and built == [1]
+
+
+def test_a_node_stopped_while_its_checkpoint_downloads_builds_nothing():
+    asked = threading.Event()
+
+    def hold() -> bool:
+        asked.set()
+        return True
+
+    built: list[int] = []
+    prebuild = Prebuild(lambda: built.append(1), hold=hold)  # type: ignore[arg-type, return-value]
+    assert asked.wait(30)
     prebuild.cancel()
     with pytest.raises(CancelledError):
         prebuild.result()

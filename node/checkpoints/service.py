@@ -61,6 +61,7 @@ class CheckpointService:
         # (and likely checkpoints), so their run document is worth waiting for.
         self._members_heard = members_heard
         self.download: dict[str, Any] | None = None
+        self.downloading = False  # a checkpoint pull under way (Prebuild waits for it)
         self.saved = 0
         self.failed = 0
         self.resume_from: str | None = None  # the checkpoint the trainer starts from
@@ -146,6 +147,7 @@ class CheckpointService:
         def progress(done: int, total: int) -> None:
             download.update(done=done, total=total)
 
+        self.downloading = True
         try:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
                                          progress=progress, more_providers=dht_providers,
@@ -153,6 +155,8 @@ class CheckpointService:
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s)", cid, e)
             return False
+        finally:
+            self.downloading = False
         # asked != served: in a NoLoCo swarm each node's checkpoint is its own
         download["served_by"] = len(pulled.bytes_by_peer)
         download["providers"] = pulled.asked

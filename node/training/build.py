@@ -104,33 +104,41 @@ def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any) ->
 
 
 class Prebuild:
-    """The trainer and outer optimizer, built in the background as soon as torch is loaded,
-    while the join still downloads the checkpoint they will resume from (`resume_newest`):
-    the build (model init, data, optimizer state; 0.4-0.5 s on the 2-core machine) is off
-    the join's path. A thread of its own at the node's priority, as the build was before
-    (node/training/service.py, `_build_at_node_priority`); `result()` re-raises what the
-    build raised, in the trainer thread that asks."""
+    """The trainer and outer optimizer, built in the background as soon as torch is loaded
+    and no checkpoint is downloading (`hold()` false), before the join resumes them from
+    the checkpoint (`resume_newest`). The build (model init, data, optimizer state; 0.4-0.5
+    s on the 2-core machine) runs while the first run-document sync is awaited, or else
+    right after the download: beside the download it took CPU the download needed, on the
+    joiner and on its provider, whose session runs at the trainers' nice (`node bench
+    join`, 4 interleaved pairs: download median 2.7-3.5 -> 2.2-2.7 s, build +0.2 s, join
+    5.2-7.1 -> 5.1-5.8 s). A thread of its own at the node's priority; `result()`
+    re-raises what the build raised, in the trainer thread that asks."""
 
-    def __init__(self, build: Callable[[], tuple[Any, Any, int]]) -> None:
+    def __init__(self, build: Callable[[], tuple[Any, Any, int]],
+                 hold: Callable[[], bool] = lambda: False) -> None:
         from node import preload
 
         self._cancelled = threading.Event()
 
-        def after_torch() -> tuple[Any, Any, int]:
+        def when_ready() -> tuple[Any, Any, int]:
             while not preload.wait(timeout=0.1):
                 if self._cancelled.is_set():  # a node stopped while torch loaded: its
                     raise CancelledError  # exit waits for this thread, not for torch
+            while hold():
+                if self._cancelled.wait(0.05):
+                    raise CancelledError
             return build()
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="peertrain-prebuild")
-        self._future = pool.submit(after_torch)
+        self._future = pool.submit(when_ready)
         pool.shutdown(wait=False)  # the thread ends with the build
 
     def result(self) -> tuple[Any, Any, int]:
         return self._future.result()
 
     def cancel(self) -> None:
-        """Build nothing if torch is not loaded yet (a build under way finishes)."""
+        """Build nothing if torch is not loaded yet or a checkpoint still downloads (a
+        build under way finishes)."""
         self._cancelled.set()
 
 
