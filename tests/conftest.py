@@ -281,6 +281,22 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
                     returncode=4)
 
 
+async def serving_pair(nursery: trio.Nursery, protocol: str, handler: Callable[[Any], Any]
+                       ) -> tuple[Any, Any, Any]:
+    """Two real hosts on loopback, in this process: `node` serves `protocol` with
+    `handler`; `other` is connected to it. Returns (node, other, node's peer ID)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2p.host import Substrate
+
+    node = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    other = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    node.set_handler(protocol, handler)
+    await nursery.start(node.serve)
+    await nursery.start(other.serve)
+    return node, other, await other.connect(node.addrs()[0])
+
+
 def averager_pair(**kwargs: Any) -> tuple[list[Any], list[str], list[Any], Any]:
     """Two averaging services on two real hosts on loopback, each the other's partner in
     every round: (substrates, peer ids, averagers, the initiator: the smaller id, which

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
 
 from p2p import lazy_select
 from p2p.host import Substrate
-from tests.conftest import await_until
+from tests.conftest import await_until, serving_pair
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ECHO = "/test/reverse/1"
 
 
@@ -27,12 +25,7 @@ async def _reverse(stream) -> None:
 
 async def _pair(nursery: trio.Nursery) -> tuple[Substrate, Substrate, object]:
     """`node` serves ECHO; `other` is connected to it and has its identify."""
-    node = Substrate(create_new_key_pair(), [LOOPBACK])
-    other = Substrate(create_new_key_pair(), [LOOPBACK])
-    node.set_handler(ECHO, _reverse)
-    await nursery.start(node.serve)
-    await nursery.start(other.serve)
-    peer = await other.connect(node.addrs()[0])
+    node, other, peer = await serving_pair(nursery, ECHO, _reverse)
     await await_until(lambda: ECHO in other.protocols_of(peer), 20, "identify")
     return node, other, peer
 

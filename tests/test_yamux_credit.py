@@ -5,11 +5,9 @@ read; py-libp2p's default did, a Noise-encrypted frame apiece."""
 from __future__ import annotations
 
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p.host import Substrate
+from tests.conftest import serving_pair
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 PROTO = "/test/gossip-like/1"
 MESSAGES = 100
 BODY = 40
@@ -31,12 +29,7 @@ async def test_a_message_read_in_two_reads_returns_credit_once():
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            node = Substrate(create_new_key_pair(), [LOOPBACK])
-            other = Substrate(create_new_key_pair(), [LOOPBACK])
-            node.set_handler(PROTO, read_messages)
-            await nursery.start(node.serve)
-            await nursery.start(other.serve)
-            peer = await other.connect(node.addrs()[0])
+            _, other, peer = await serving_pair(nursery, PROTO, read_messages)
             stream = await other.open_stream(peer, PROTO)
             for _ in range(MESSAGES):
                 await stream.write(bytes([BODY]) + b"x" * BODY)

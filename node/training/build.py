@@ -110,8 +110,8 @@ class Prebuild:
     s on the 2-core machine) runs while the first run-document sync is awaited, or else
     right after the download: beside the download it took CPU the download needed, on the
     joiner and on its provider, whose session runs at the trainers' nice (`node bench
-    join`, 4 interleaved pairs: download median 2.7-3.5 -> 2.2-2.7 s, build +0.2 s, join
-    5.2-7.1 -> 5.1-5.8 s). A thread of its own at the node's priority; `result()`
+    join`, 6 interleaved pairs: download 0.2-1.0 s shorter in each, build up to 0.2 s
+    longer; docs/benchmarks.md). A thread of its own at the node's priority; `result()`
     re-raises what the build raised, in the trainer thread that asks."""
 
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
