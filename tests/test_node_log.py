@@ -36,6 +36,8 @@ def node_logging(tmp_path):
 def test_node_log_keeps_libp2p_errors_but_not_the_routine_ones(node_logging):
     swarm = logging.getLogger("libp2p.network.swarm")
     swarm.error("fail to upgrade mux for peer %s", "12D3KooWprobe")  # a dial-back's end
+    logging.getLogger("libp2p.transport.tcp.tcp").error(  # a peer that left
+        "Failed to open TCP stream: %s", "all attempts to connect to 127.0.0.1:9 failed")
     swarm.warning("a hiccup")  # below ERROR: not kept
     swarm.error("listener failed: %s", "address in use")
     logging.getLogger("node.test").info("ours")
