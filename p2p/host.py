@@ -38,7 +38,6 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIP_10
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIP_11
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12 as GOSSIP_12
-from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -49,6 +48,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from p2p import circuit, lazy_select
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
+from p2p.gossipsub import GossipSub
 
 log = logging.getLogger(__name__)
 
