@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import string
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,23 @@ def test_remembered_peers_merge_newest_first_bounded_and_skip_ourselves(tmp_path
     assert remembered.load(tmp_path, RUN) == merged
     assert remembered.addresses(merged)[0] == "/ip4/10.1.1.1/tcp/2/p2p/new"
     assert remembered.load(tmp_path, mf.run_id(b"other")) == []
+
+
+async def test_remembered_peers_are_written_off_the_trio_thread(tmp_path: Path, monkeypatch):
+    """The write's fsync waits for the disk; on the trio thread every stream waited too."""
+    writers = []
+
+    def save(*args):
+        writers.append(threading.current_thread())
+        real_save(*args)
+
+    real_save = remembered.save
+    monkeypatch.setattr(remembered, "save", save)
+    keeper = remembered.RememberPeers(tmp_path, RUN, "me",
+                                      seen=lambda: {"p1": ["/ip4/10.0.0.1/tcp/1"]})
+    await keeper.update()
+    assert writers and writers[0] is not threading.main_thread()
+    assert [p["peer"] for p in remembered.load(tmp_path, RUN)] == ["p1"]
 
 
 @pytest.mark.parametrize("content", [b"{", b"[]", b'{"version": 2}', b"\xff" * 10,

@@ -7,9 +7,12 @@ starts. It holds the run's last known members and the bootstrap peers that answe
 newest first, each with the addresses it was reached at.
 
 The file is rewritten atomically (node/files.py) while the node runs and once more as it
-stops. Reading it is forgiving: a missing, oversized or damaged file is logged and read as
-empty, never an error (it is a hint; the next write replaces it). Bounds: at most
-MAX_PEERS peers, MAX_ADDRS addresses each, MAX_FILE_BYTES read.
+stops, in a worker thread: the write's fsync waits for a disk that checkpoints keep busy,
+and on the trio thread every node's networking waited with it (py-spy: 3 of a trainer's
+~180 busy trio-thread samples in 20 s). Reading it is forgiving: a missing, oversized or
+damaged file is logged and read as empty, never an error (it is a hint; the next write
+replaces it). Bounds: at most MAX_PEERS peers, MAX_ADDRS addresses each, MAX_FILE_BYTES
+read.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ MAX_ADDR_CHARS = 512
 MAX_FILE_BYTES = 256 * 1024
 #: A peer not seen for this long is dropped from the file.
 FORGET_AFTER_S = 14 * 86400.0
+STOP_WRITE_S = 5.0  # the write as the node stops waits this long at most
 
 
 def path_for(state_dir: Path, run_id: str) -> Path:
@@ -129,12 +133,14 @@ class RememberPeers:
         try:
             while True:
                 await trio.sleep(self.interval_s)
-                self.update()
+                await self.update()
         finally:
-            with trio.CancelScope(shield=True):
-                self.update()  # the last view as we stop: the next join starts from it
+            # the last view as we stop: the next join starts from it (a stuck disk does
+            # not hold the stop longer than STOP_WRITE_S)
+            with trio.move_on_after(STOP_WRITE_S, shield=True):
+                await self.update()
 
-    def update(self) -> None:
+    async def update(self) -> None:
         now_seen = self.seen()
         if not now_seen:
             return
@@ -142,7 +148,8 @@ class RememberPeers:
         if peers == self.peers:
             return
         try:
-            save(self.state_dir, self.run_id, peers)
+            await trio.to_thread.run_sync(save, self.state_dir, self.run_id, peers,
+                                          abandon_on_cancel=True)
         except OSError as e:
             self.write_errors += 1
             log.warning("cannot save remembered peers: %s", e.strerror or e)
