@@ -115,3 +115,15 @@ def test_a_round_whose_outcome_is_late_is_closed_locally_and_the_outcome_dropped
     ra.apply()
     assert torch.equal(params(a), after)  # round 1 was closed already
     assert ra.statistics()["rounds_averaged"] == 0
+
+
+def test_a_jump_past_a_round_boundary_starts_that_round_where_it_lands():
+    """A first stage behind the swarm jumps to the swarm's step: from 2H-2 to 2H+1 it
+    never lands on 2H, and round 2 was skipped (its partners' round 2 closed locally)."""
+    (_, ra, pa), _ = replicas(stage=0)
+    ra.after_step(2 * H - 2)
+    ra.after_step(2 * H + 1)
+    assert [r for r, _ in pa] == [2]
+    ra.after_step(2 * H + 2)  # the same round: nothing new
+    ra.after_step(3 * H)
+    assert [r for r, _ in pa] == [2, 3]

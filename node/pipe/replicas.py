@@ -45,6 +45,7 @@ class ReplicaRounds:
         self.alone = 0
         self.last_partner: str | None = None
         self.progress = progress  # TrainingStats: its round counters show in heartbeats
+        self.last_step: int | None = None  # the step of the previous after_step
 
     def vector(self) -> torch.Tensor:
         return parameters_to_vector([p.detach() for p in self.params]).float().cpu()
@@ -57,9 +58,15 @@ class ReplicaRounds:
 
     def after_step(self, step: int) -> None:
         """Apply the outcomes that came; at a round boundary, close the rounds still open
-        locally and start this round's exchange (or, alone, let φ follow θ)."""
+        locally and start this round's exchange (or, alone, let φ follow θ). A driver that
+        jumps to the swarm's step (worker.py: the leader's, or a later step its messages
+        carry) may pass a boundary without landing on it: that round starts where it
+        lands, rather than being skipped until the next boundary."""
         self.apply()
-        if step <= 0 or step % self.h:
+        prev, self.last_step = self.last_step, step
+        crossed = (step % self.h == 0 if prev is None
+                   else step // self.h > prev // self.h)
+        if step <= 0 or not crossed:
             return
         for r in sorted(self.pending):
             self._outer(self.pending.pop(r), [])
