@@ -9,9 +9,9 @@ bytes), so each one cost a node more RPCs out and in than the message itself: on
 4-trainer testnet, IDONTWANT emission was ~9% of a trainer's trio thread (py-spy), and
 every received IDONTWANT one more peer record verified. go-libp2p sends IDONTWANT only
 for messages of at least 1 KiB (its `IDontWantMessageThreshold`); so do we now. Measured
-(2026-11-27): a trainer's RPCs out 38 -> 23/s and in 23 -> 6/s; 4 idle nodes' trio threads
-3.6-4.0 -> 2.6-2.8 CPU s/min each; `node bench join`, 3 interleaved pairs: median join
-7.45 -> 7.00, 6.14 -> 5.63, 5.56 -> 5.46 s.
+(2026-11-27): a trainer's RPCs out 38 -> 23/s and control RPCs in 23 -> 6/s; 4 idle
+nodes' trio threads 3.6-4.0 -> 2.6-2.8 CPU s/min each; `node bench join`, 3 interleaved
+pairs: median join 7.45 -> 7.00, 6.14 -> 5.63, 5.56 -> 5.46 s.
 """
 
 from __future__ import annotations
