@@ -3,9 +3,10 @@
 Gossipsub v1.2's IDONTWANT tells mesh peers not to send a message we already have, which
 saves bandwidth when messages are large. py-libp2p 0.8.1 sends one for every message it
 publishes or forwards, whatever its size, to every v1.2 mesh peer, each as an RPC of its
-own that carries the node's signed peer record (verified by the receiver). peertrain's
-gossip is small messages (heartbeats, run-document deltas, peer records: a few hundred
-bytes), so each one cost a node more RPCs out and in than the message itself: on a
+own that carries the node's signed peer record (verified by the receiver). Most of
+peertrain's gossip is small messages (heartbeats: ~245 bytes, one per node and second; the
+run document's deltas average ~1.2 KB and keep theirs), so each one cost a node more RPCs
+out and in than the message itself: on a
 4-trainer testnet, IDONTWANT emission was ~9% of a trainer's trio thread (py-spy), and
 every received IDONTWANT one more peer record verified. go-libp2p sends IDONTWANT only
 for messages of at least 1 KiB (its `IDontWantMessageThreshold`); so do we now. Measured
