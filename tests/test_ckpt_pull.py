@@ -163,6 +163,53 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
         nursery.cancel_scope.cancel()
 
 
+async def test_a_joiner_asks_the_holders_the_run_document_lists_not_every_peer(
+        tmp_path: Path):
+    """Every connected peer was asked for the checkpoint too: a stream and a refusal from
+    each peer that did not hold it, at every join (4-8 busy trainers in `node bench join`,
+    every peer of a large swarm)."""
+    from types import SimpleNamespace
+
+    from node.checkpoints.service import CheckpointService
+    from node.service import Phases
+    from protocols import keys, rundoc
+
+    kp = create_new_key_pair()
+    writer = keys.Signer(kp.private_key.to_bytes()[:32])
+    held = CheckpointStore(tmp_path / "writer")
+    cid = held.save(RUN, 20, {"w": torch.randn(1000)})
+    holder, bystander, me = (Substrate(k, [LOOPBACK]) for k in
+                             (kp, create_new_key_pair(), create_new_key_pair()))
+    holder.set_handler(cx.PROTOCOL_ID, ckpt_sync.CheckpointServer(held).handle)
+    unheld = ckpt_sync.CheckpointServer(CheckpointStore(tmp_path / "bystander"))
+    asked = []
+
+    async def count(stream):
+        asked.append(stream)
+        await unheld.handle(stream)
+
+    bystander.set_handler(cx.PROTOCOL_ID, count)
+    doc = rundoc.RunDocument(RUN, writer, [])
+    doc.set(rundoc.ckpt_key(writer.peer_id, cid), {"hash": cid, "step": 20, "size": 1}, 1)
+    synced = trio.Event()
+    synced.set()
+    service = CheckpointService(publish=lambda delta: None, synced=synced)
+    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
+                          phases=Phases(), substrate=me, open_stream=None,
+                          path_of=lambda peer: "direct",
+                          checkpoints=CheckpointStore(tmp_path / "me"))
+    async with trio.open_nursery() as nursery:
+        for s in (holder, bystander, me):
+            await nursery.start(s.serve)
+        await me.connect(bystander.addrs()[0])
+        await me.connect(holder.addrs()[0])
+        with trio.fail_after(30):
+            assert await service._pull_newest(ctx) == cid
+        assert service.download["served_by"] == 1
+        assert asked == [] and unheld.missing == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_lane_is_asked_for_beside_the_manifest_request(tmp_path: Path, autojump_clock):
     """The provider asked for the manifest is asked for its lane at once, on a second
     session, not after the manifest arrived: here it answers the manifest only once its

@@ -2,8 +2,8 @@
 save the trainer's snapshots, and keep what we hold announced (and only that).
 
 * Joining mid-run (nothing held locally): wait briefly for a first run-document sync,
-  take the newest checkpoint in its index and pull it at once from its writer and our
-  connected peers, the DHT's providers of it joining in when that lookup (bounded) returns
+  take the newest checkpoint in its index and pull it at once from the holders the index
+  lists (its writer), the DHT's providers of it joining in when that lookup (bounded) returns
   (node/checkpoints/exchange.py). The service reports ready only then, so the trainer
   starts from it.
 * Saving: snapshots are written in a worker thread, retention keeps the newest
@@ -123,18 +123,20 @@ class CheckpointService:
         return None
 
     async def _pull(self, ctx: NodeContext, step: int, cid: str, writer: str) -> bool:
-        """Checkpoint `cid` pulled from its writer, our connected peers and the DHT's
-        providers of it; False (logged) if none of them served it."""
+        """Checkpoint `cid` pulled from the peers the run document says hold it and the
+        DHT's providers of it; False (logged) if none of them served it."""
         dht = ctx.substrate.dht
         assert dht is not None
-        # The writer and our connected peers are asked at once; the DHT's providers (a
-        # joiner that pulled it before us, not connected to us) join the pull when the
-        # lookup returns. Waiting for the lookup first cost its whole deadline (3 s) in
-        # `node bench join`: in a NoLoCo swarm the writer is the only holder.
-        providers: list[ID] = []
-        for extra in [ID.from_base58(writer), *ctx.substrate.connected_peers()]:
-            if extra not in providers and extra != ctx.substrate.peer_id:
-                providers.append(extra)
+        # The holders the run document lists (its writer) are asked at once; the DHT's
+        # providers (a joiner that pulled it before us) join the pull when the lookup
+        # returns. Waiting for the lookup first cost its whole deadline (3 s) in `node
+        # bench join`: in a NoLoCo swarm the writer is the only holder. Until 2026-11-27
+        # every connected peer was asked too, a stream and a refusal from each peer that
+        # did not hold it: 4-8 busy trainers per join in `node bench join`, every peer
+        # of a large swarm.
+        listed = [w for _, c, w in checkpoint_index(ctx.the_run().document) if c == cid]
+        providers = [ID.from_base58(p) for p in dict.fromkeys([writer, *listed])
+                     if p != ctx.substrate.peer_id.to_base58()]
 
         async def dht_providers() -> list[ID]:
             found = await dht.find_providers(ckpt_provider_key(cid), timeout=PROVIDER_LOOKUP_S)
