@@ -229,9 +229,10 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
                             for i, r in enumerate(results, 1) if not r["served_by"]))
         pulled = [r for r in results if r["served_by"]]
         if pulled and all(r["served_by"] == 1 for r in pulled):
-            asked = sorted({r["providers"] for r in pulled})
+            low, high = min(r["providers"] for r in pulled), max(r["providers"] for r in pulled)
+            asked = f"{low}" if low == high else f"{low}-{high}"
             notes.append(
-                f"Every checkpoint came from one provider, of {asked[0]}-{asked[-1]} asked "
+                f"Every checkpoint came from one provider, of {asked} asked "
                 "(the holders the run document lists, then the DHT's providers: earlier "
                 "joiners, stopped here): in a NoLoCo swarm each node checkpoints its own "
                 "weights, so a checkpoint has one holder, its writer, until a joiner pulls it.")
