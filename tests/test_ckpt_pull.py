@@ -19,6 +19,23 @@ RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
+def joining(doc, me: Substrate, state: Path):
+    """A joiner's checkpoint service (first sync done) and the node context it pulls in:
+    the run document `doc`, the host `me`, its store at `state`."""
+    from types import SimpleNamespace
+
+    from node.checkpoints.service import CheckpointService
+    from node.service import Phases
+
+    synced = trio.Event()
+    synced.set()
+    service = CheckpointService(publish=lambda delta: None, synced=synced)
+    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
+                          phases=Phases(), substrate=me, open_stream=None,
+                          path_of=lambda peer: "direct", checkpoints=CheckpointStore(state))
+    return service, ctx
+
+
 async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
     source = CheckpointStore(tmp_path / "honest")
     weights = {"w": torch.randn(3 * CHUNK_BYTES // 4 + 1000)}  # 4 chunks
@@ -107,11 +124,8 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
     document lists by then, instead of training from scratch. A checkpoint that stays the
     newest and unserved is asked for again after a pause (a provider too loaded to open a
     stream in time), PULL_TRIES times in all."""
-    from types import SimpleNamespace
 
     from node.checkpoints import service as ckpt_service
-    from node.checkpoints.service import CheckpointService
-    from node.service import Phases
     from protocols import keys, rundoc
 
     kp = create_new_key_pair()
@@ -131,13 +145,7 @@ async def test_a_joiner_whose_checkpoint_was_dropped_takes_the_newer_one(tmp_pat
         await server.handle(stream)
 
     holder.set_handler(cx.PROTOCOL_ID, serve)
-    synced = trio.Event()
-    synced.set()
-    service = CheckpointService(publish=lambda delta: None, synced=synced)
-    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me, open_stream=None,
-                          path_of=lambda peer: "direct",
-                          checkpoints=CheckpointStore(tmp_path / "me"))
+    service, ctx = joining(doc, me, tmp_path / "me")
     async with trio.open_nursery() as nursery:
         for s in (holder, me):
             await nursery.start(s.serve)
@@ -168,10 +176,7 @@ async def test_a_joiner_asks_the_holders_the_run_document_lists_not_every_peer(
     """Every connected peer was asked for the checkpoint too: a stream and a refusal from
     each peer that did not hold it, at every join (4-8 busy trainers in `node bench join`,
     every peer of a large swarm)."""
-    from types import SimpleNamespace
 
-    from node.checkpoints.service import CheckpointService
-    from node.service import Phases
     from protocols import keys, rundoc
 
     kp = create_new_key_pair()
@@ -191,13 +196,7 @@ async def test_a_joiner_asks_the_holders_the_run_document_lists_not_every_peer(
     bystander.set_handler(cx.PROTOCOL_ID, count)
     doc = rundoc.RunDocument(RUN, writer, [])
     doc.set(rundoc.ckpt_key(writer.peer_id, cid), {"hash": cid, "step": 20, "size": 1}, 1)
-    synced = trio.Event()
-    synced.set()
-    service = CheckpointService(publish=lambda delta: None, synced=synced)
-    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me, open_stream=None,
-                          path_of=lambda peer: "direct",
-                          checkpoints=CheckpointStore(tmp_path / "me"))
+    service, ctx = joining(doc, me, tmp_path / "me")
     async with trio.open_nursery() as nursery:
         for s in (holder, bystander, me):
             await nursery.start(s.serve)
