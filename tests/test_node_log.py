@@ -40,8 +40,9 @@ def test_node_log_keeps_libp2p_errors_but_not_the_routine_ones(node_logging):
         "Failed to open TCP stream: %s", "all attempts to connect to 127.0.0.1:9 failed")
     swarm.warning("a hiccup")  # below ERROR: not kept
     swarm.error("listener failed: %s", "address in use")
+    swarm.error({"unhashable": "message"})  # any object may be a record's msg
     logging.getLogger("node.test").info("ours")
     for handler in logging.getLogger().handlers:
         handler.flush()
     lines = [json.loads(line)["msg"] for line in node_logging.read_text().splitlines()]
-    assert lines == ["listener failed: address in use", "ours"]
+    assert lines == ["listener failed: address in use", "{'unhashable': 'message'}", "ours"]

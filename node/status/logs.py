@@ -153,7 +153,8 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
         # "initiating 193 new dials" every 10 s)
         file.addFilter(lambda record: not record.name.startswith(THIRD_PARTY)
                        or (record.levelno >= logging.ERROR
-                           and record.msg not in ROUTINE_ERRORS))
+                           and not (isinstance(record.msg, str)
+                                    and record.msg in ROUTINE_ERRORS)))
         file.addFilter(FLOOD)
         root.addHandler(file)
     # py-libp2p logs every hiccup of every peer at WARNING, and at ERROR what is routine in
