@@ -189,3 +189,28 @@ async def test_a_joiner_does_not_take_a_checkpoint_whose_claim_fails_the_check(
     assert vet.last["swarm"] == pytest.approx(swarm + 0.01, abs=1e-4)
     # the check leaves the trainer as it was: resume_newest loads the accepted one
     assert torch.equal(fresh.parameters_vector(), before) and fresh.step_count == 0
+
+
+async def test_snapshots_saved_at_once_never_stop_the_trainer(tmp_path: Path):
+    """A fast trainer posts snapshots faster than they are written: each save ran its
+    retention while another was half done, and read back a manifest the other had just
+    dropped (a CheckpointError out of the snapshot task, which stops the trainer). What
+    the run document lists is what the store holds."""
+    from node.training.rounds import Snapshot
+
+    signer = keys.Signer.generate()
+    doc = rundoc.RunDocument(RUN, signer, [])
+    ctx = node_ctx(SimpleNamespace(dht=None), signer, doc, tmp_path / "me")
+    ctx.the_run().manifest.checkpoint.keep = 1
+    checkpoints = ckpt_service.CheckpointService(publish=lambda delta: None,
+                                                 synced=trio.Event())
+    checkpoints._ctx = ctx
+    state = checkpoint_tensors(trainer(), None)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for step in range(10, 170, 10):
+                nursery.start_soon(checkpoints.save, Snapshot(step, state))
+    assert checkpoints.saved == 16 and checkpoints.failed == 0
+    held = [(m.step, c) for c, m in ctx.checkpoints.list(RUN)]
+    assert held == [(160, held[0][1])]
+    assert [(s, c) for s, c, _ in rundoc.checkpoint_index(doc)] == held

@@ -68,6 +68,7 @@ class CheckpointService:
         self.download: dict[str, Any] | None = None
         self.downloading = False  # a checkpoint pull under way (Prebuild waits for it)
         self.saved = 0
+        self._writing = trio.Lock()
         self.failed = 0
         self.resume_from: str | None = None  # the checkpoint the trainer starts from
         self._ctx: NodeContext | None = None
@@ -202,26 +203,32 @@ class CheckpointService:
                                                                      snapshot.step)
         meta = {"peer": ctx.peer_id, "clock": snapshot.step, "parent": snapshot.parent or ""}
 
-        def write() -> tuple[str, set[str]]:
+        def write() -> tuple[str, int, set[str]]:
             cid = store.save(run.run_id, trained, snapshot.tensors, meta)
+            size = store.manifest(cid).size
             before = {c for c, _ in store.list(run.run_id)}
             store.retain(run.run_id, keep)
-            return cid, before - {c for c, _ in store.list(run.run_id)}
+            return cid, size, before - {c for c, _ in store.list(run.run_id)}
 
-        try:
-            cid, dropped = await trio.to_thread.run_sync(write)
-        except NodeError as e:
-            self.failed += 1
-            log.error("%s", e)
-            return
+        # One save at a time: two in worker threads at once each ran retention over the
+        # other's half-done state, and one read back a manifest the other had just dropped
+        # (a CheckpointError that stopped the trainer).
+        async with self._writing:
+            try:
+                cid, size, dropped = await trio.to_thread.run_sync(write)
+            except NodeError as e:
+                self.failed += 1
+                log.error("%s", e)
+                return
         self.saved += 1
         run.progress.checkpoints += 1
         run.progress.last_checkpoint = cid
         log.info("checkpoint %s at step %d (%d steps trained)", cid, snapshot.step, trained)
         self._unannounce(ctx, dropped)
-        m = store.manifest(cid)
+        if cid in dropped:  # it claims less than the `keep` we hold (we resumed from scratch
+            return  # after a damaged checkpoint): nothing to announce
         self._publish(run.document.set(ckpt_key(ctx.peer_id, cid),
-                                       {"hash": cid, "step": m.step, "size": m.size}, _now_ms()))
+                                       {"hash": cid, "step": trained, "size": size}, _now_ms()))
         if ctx.substrate.dht is not None:
             await ctx.substrate.dht.provide(ckpt_provider_key(cid))
 

@@ -45,19 +45,22 @@ def measure(trainer: Any, store: CheckpointStore, cid: str,
             initial: float | None = None) -> tuple[float, float]:
     """(initial weights' loss, candidate's loss) on the trainer's validation batches. The
     trainer must hold the run's initial weights and is left with them; `initial` skips
-    that evaluation when known. Raises CheckpointError (or ValueError, KeyError,
-    TrainerError) for a checkpoint this trainer cannot load."""
+    that evaluation when known. Raises CheckpointError (or KeyError, RuntimeError) for a
+    checkpoint this trainer cannot load."""
     from node.training.state import from_tensors
 
     if initial is None:
         initial = trainer.evaluate()
     _, tensors = store.load(cid)
-    before = trainer.state_dict()  # a deep copy
+    model = from_tensors(tensors)["trainer"]["model"]
+    # Only the weights go in and back (a host copy): the optimizer state and the step stay,
+    # and a model that fills the device's memory is not held there twice.
+    before = trainer.parameters_vector()
     try:
-        trainer.load_state_dict(from_tensors(tensors)["trainer"])
+        trainer.model.load_state_dict(model)
         candidate = trainer.evaluate()
     finally:
-        trainer.load_state_dict(before)
+        trainer.set_parameters_vector(before)
     return initial, candidate
 
 
