@@ -2,12 +2,13 @@
 
 A checkpoint's step is its writer's word. A node that believed the swarm's step without
 the swarm's weights once published an untrained model "at step 1180" (issue 26), and every
-later joiner took the newest checkpoint listed. The check costs two evaluations: the
-candidate's validation loss and the run's initial weights' loss (the same for every node:
-drawn from the seed), on the validation batches every peer evaluates on, against the median
-validation loss the live training peers report in their heartbeats (the candidate's writer
-left out: it does not vouch for itself). protocols/checkpoint.py's `progress_refusal` says
-what passes; docs/checkpoints.md says why.
+later joiner took the newest checkpoint listed. The check evaluates the candidate on the
+validation batches every peer evaluates on, against the median validation loss the live
+training peers report in their heartbeats (the candidate's writer left out: it does not
+vouch for itself); a candidate worse than that is measured against the run's initial
+weights too (the same on every node: drawn from the seed), which scale what "worse" may
+be. protocols/checkpoint.py's `progress_refusal` says what passes; docs/checkpoints.md says
+why.
 """
 
 from __future__ import annotations
@@ -41,27 +42,21 @@ def swarm_loss(membership: Membership, exclude: set[str]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def measure(trainer: Any, store: CheckpointStore, cid: str,
-            initial: float | None = None) -> tuple[float, float]:
-    """(initial weights' loss, candidate's loss) on the trainer's validation batches. The
-    trainer must hold the run's initial weights and is left with them; `initial` skips
-    that evaluation when known. Raises CheckpointError (or KeyError, RuntimeError) for a
-    checkpoint this trainer cannot load."""
+def measure(trainer: Any, store: CheckpointStore, cid: str) -> float:
+    """Checkpoint `cid`'s validation loss, on the trainer's validation batches. Only the
+    weights go in and back out (a host copy): the trainer keeps its own weights, optimizer
+    state and step, and a model that fills the device is not held there twice. Raises
+    CheckpointError (or KeyError, RuntimeError) for a checkpoint it cannot load."""
     from node.training.state import from_tensors
 
-    if initial is None:
-        initial = trainer.evaluate()
     _, tensors = store.load(cid)
     model = from_tensors(tensors)["trainer"]["model"]
-    # Only the weights go in and back (a host copy): the optimizer state and the step stay,
-    # and a model that fills the device's memory is not held there twice.
     before = trainer.parameters_vector()
     try:
         trainer.model.load_state_dict(model)
-        candidate = trainer.evaluate()
+        return trainer.evaluate()
     finally:
         trainer.set_parameters_vector(before)
-    return initial, candidate
 
 
 class CheckpointVet:
@@ -90,15 +85,22 @@ class CheckpointVet:
                         cid, e)
             return None
         try:
-            initial, candidate = await trio.to_thread.run_sync(
-                measure, trainer, ctx.checkpoints, cid, self._initial)
+            candidate = await trio.to_thread.run_sync(measure, trainer, ctx.checkpoints, cid)
         except (NodeError, KeyError, ValueError, RuntimeError) as e:
             return f"it cannot be loaded: {e}"
-        self._initial = initial
-        self.last = {"cid": cid, "loss": round(candidate, 4), "initial": round(initial, 4),
-                     "swarm": round(swarm, 4)}
-        reason = progress_refusal(candidate, initial, swarm)
+        # The initial weights' loss (what the trainer holds until it resumes) scales the
+        # check; a candidate no worse than the swarm passes whatever it is, so it is
+        # measured only when needed, and once (every node draws the same initial weights).
+        if candidate <= swarm:
+            initial = self._initial if self._initial is not None else math.nan
+        else:
+            if self._initial is None:
+                self._initial = await trio.to_thread.run_sync(trainer.evaluate)
+            initial = self._initial
+        self.last = {"cid": cid, "loss": round(candidate, 4), "swarm": round(swarm, 4),
+                     "initial": None if math.isnan(initial) else round(initial, 4)}
+        reason = None if candidate <= swarm else progress_refusal(candidate, initial, swarm)
         if reason is None:
-            log.info("checkpoint %s checked: validation loss %.3f (swarm %.3f, initial "
-                     "weights %.3f)", cid, candidate, swarm, initial)
+            log.info("checkpoint %s checked: validation loss %.3f (the swarm reports %.3f)",
+                     cid, candidate, swarm)
         return reason
