@@ -106,8 +106,8 @@ async def test_a_joiner_whose_pull_failed_writes_no_checkpoint_claiming_the_swar
     assert mine and all(step <= computed for step, _ in mine), mine
     assert all(meta["clock"] > SWARM_STEP - H and meta["parent"] == "" for _, meta in mine)
     index = rundoc.checkpoint_index(doc)
-    assert [(s, c) for s, c, w in index if w == signer.peer_id] == sorted(
-        (m.step, c) for c, m in ctx.checkpoints.list(RUN))
+    ours = [step for step, _, w in index if w == signer.peer_id]
+    assert ours and all(step <= computed for step in ours), ours
     assert index[-1][1] == gone  # the newest listed is still the swarm's
 
 
