@@ -226,14 +226,17 @@ class Node:
             check_swarm_algorithm(manifest, config.attack)  # a clear error, not an idle node
         if config.train and manifest.pipeline is None:  # a stage host pulls no checkpoint
             from node.checkpoints.service import CheckpointService
+            from node.checkpoints.vet import CheckpointVet
 
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
-            # is still loading in the background (node/preload.py).
+            # is still loading in the background (node/preload.py), until it checks the
+            # pulled checkpoint's claim of progress with the trainer (built meanwhile).
             self._checkpoints = CheckpointService(
                 publish=rundoc.publish, synced=rundoc.first_sync,
                 still_loading=preload.pending,
                 members_heard=lambda: any(p != ctx.peer_id
-                                          for p in ctx.membership.live_nodes()))
+                                          for p in ctx.membership.live_nodes()),
+                vet=CheckpointVet(ctx, lambda: self._prebuilt.result()))
             services.append(self._checkpoints)
             # Built once torch is in, but not while a checkpoint downloads; the trainer
             # resumes it from the checkpoint once that is in (_trainer_services).
@@ -306,7 +309,7 @@ class Node:
 
         def build() -> tuple[Any, Any, int]:
             trainer, outer, inner_steps = prebuilt.result()
-            resume_newest(m, trainer, outer, ctx.checkpoints)
+            resume_newest(m, trainer, outer, ctx.checkpoints, stats=run.progress)
             return trainer, outer, inner_steps
 
         services.append(TrainingService(

@@ -111,8 +111,13 @@ class NodeContext:
         stats: dict[str, Any] = {"uptime": round(time.monotonic() - self.phases.started, 1)}
         if self.run is not None:
             p = self.run.progress
+            # `trained`: what our weights embody (<= step, the round clock); a partner's
+            # averaged round credits us with it (node/training/service.py). Pipeline stage
+            # hosts do not count it.
             stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
                          gnorm=p.grad_norm)  # CheckFree weighs a lost stage's neighbours by it
+            if self.run.manifest.pipeline is None:
+                stats["trained"] = p.trained
             # When written (our wall clock): gossip can deliver it late; the median over
             # the peers also tells each node how far its own clock is off the swarm's.
             stats["t"] = round(time.time(), 1)

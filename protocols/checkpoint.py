@@ -12,11 +12,17 @@ Whoever holds the manifest can verify every chunk from any source, so chunks can
 several peers at once and a liar is caught chunk by chunk. `decode` checks sizes before
 trusting them: a manifest that lists absurd sizes, or a chunk count that does not match its
 size, is refused.
+
+A checkpoint's claim of progress (its step) is only its writer's word; `progress_refusal`
+is the check a joiner makes before it believes one (docs/checkpoints.md): the candidate's
+validation loss must cover a good share of what the swarm reports having gained over the
+run's initial weights.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import msgpack
@@ -28,6 +34,11 @@ VERSION = 1
 CHUNK_BYTES = 4 << 20
 MAX_CHECKPOINT_BYTES = 64 << 30
 MAX_MANIFEST_BYTES = 1 << 20
+#: A candidate checkpoint must have at least this share of the swarm's loss gain over the
+#: initial weights. Half: a checkpoint a few intervals older than the swarm passes (the
+#: loss falls fastest early, when the gap between checkpoints matters most), a model
+#: trained a few steps or averaged once with the swarm does not.
+MIN_GAIN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -102,3 +113,24 @@ def decode(data: bytes, expected_cid: str | None = None) -> CheckpointManifest:
     if not isinstance(run, str) or not isinstance(meta, dict):
         raise RemoteProtocolError("checkpoint run must be a str and meta a map")
     return CheckpointManifest(run, step, created, size, chunk, tuple(chunks), meta)
+
+
+def progress_refusal(candidate: float, initial: float, swarm: float,
+                     share: float = MIN_GAIN_SHARE) -> str | None:
+    """Why a checkpoint whose validation loss is `candidate` is not the swarm's progress,
+    or None when it is. `initial` is the loss of the run's initial weights (every node
+    draws the same from the seed) and `swarm` the loss the live peers report, all on the
+    same validation batches. A swarm that has gained nothing over the initial weights yet
+    (`initial - swarm` <= 0) leaves nothing to check: any finite candidate passes."""
+    if not math.isfinite(candidate):
+        return f"its validation loss is {candidate}"
+    gain = initial - swarm
+    if not (math.isfinite(gain) and gain > 0):
+        return None
+    limit = swarm + (1 - share) * gain
+    if candidate <= limit:
+        return None
+    return (f"its validation loss {candidate:.3f} is above {limit:.3f}: the swarm reports "
+            f"{swarm:.3f} and the run's initial weights score {initial:.3f}, so it has "
+            f"{max(0.0, initial - candidate) / gain:.0%} of the swarm's progress "
+            f"(at least {share:.0%} needed)")

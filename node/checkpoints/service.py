@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -51,7 +51,8 @@ class CheckpointService:
 
     def __init__(self, publish: Callable[[bytes], None], synced: trio.Event,
                  still_loading: Callable[[], bool] = lambda: False,
-                 members_heard: Callable[[], bool] = lambda: False) -> None:
+                 members_heard: Callable[[], bool] = lambda: False,
+                 vet: Callable[[str, str], Awaitable[str | None]] | None = None) -> None:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
         # True while the trainer could not start anyway (torch is still loading:
@@ -60,9 +61,14 @@ class CheckpointService:
         # True once a live training node's heartbeat has been heard: the run has members
         # (and likely checkpoints), so their run document is worth waiting for.
         self._members_heard = members_heard
+        # Checks a pulled checkpoint's claim of progress before the trainer may start from
+        # it: (cid, writer) -> None (take it) or why not (node/checkpoints/vet.py)
+        self._vet = vet
+        self.refused: dict[str, str] = {}  # cid -> why its claim was not believed
         self.download: dict[str, Any] | None = None
         self.downloading = False  # a checkpoint pull under way (Prebuild waits for it)
         self.saved = 0
+        self._writing = trio.Lock()
         self.failed = 0
         self.resume_from: str | None = None  # the checkpoint the trainer starts from
         self._ctx: NodeContext | None = None
@@ -85,7 +91,7 @@ class CheckpointService:
 
     def statistics(self) -> dict[str, Any]:
         return {"download": self.download, "saved": self.saved, "failed": self.failed,
-                "resumed_from": self.resume_from}
+                "resumed_from": self.resume_from, "refused": dict(self.refused)}
 
     async def _pull_newest(self, ctx: NodeContext) -> str | None:
         run = ctx.the_run()
@@ -107,19 +113,36 @@ class CheckpointService:
             return None
         ctx.phases.enter("finding providers")
         tried: list[str] = []
+        refused: set[str] = set()
         for _ in range(PULL_TRIES):
             # Its holders may have dropped it while we pulled (retention keeps the newest
             # `checkpoint.keep`: seconds of a small fast model on a loaded machine, CI of
             # 2026-11-26): the run document then lists a newer one, and that one is taken.
-            # Else the same one again, after a pause (PULL_RETRY_S).
-            if tried and checkpoint_index(run.document)[-1][1] in tried:
+            # Else the same one again, after a pause (PULL_RETRY_S). One whose claim
+            # failed the check is never taken again: the next newest is.
+            listed = [e for e in checkpoint_index(run.document) if e[1] not in refused]
+            if not listed:
+                break
+            if tried and listed[-1][1] in tried:
                 await trio.sleep(PULL_RETRY_S)
-            step, cid, writer = checkpoint_index(run.document)[-1]
+                listed = [e for e in checkpoint_index(run.document) if e[1] not in refused]
+                if not listed:
+                    break
+            step, cid, writer = listed[-1]
             tried.append(cid)
-            if await self._pull(ctx, step, cid, writer):
+            if not await self._pull(ctx, step, cid, writer):
+                continue
+            reason = await self._vet(cid, writer) if self._vet is not None else None
+            if reason is None:
                 return cid
-        log.warning("no checkpoint fetched (tried %s); starting from scratch",
-                    ", ".join(dict.fromkeys(tried)))
+            refused.add(cid)
+            self.refused[cid] = reason
+            log.warning("checkpoint %s of %s claims step %d and is not used: %s", cid, writer,
+                        step, reason)
+            await trio.to_thread.run_sync(ctx.checkpoints.discard, cid)
+        log.warning("no checkpoint taken (tried %s); starting from the run's initial weights "
+                    "(our checkpoints claim the steps we train, not the swarm's)",
+                    ", ".join(dict.fromkeys(tried)) or "none")
         return None
 
     async def _pull(self, ctx: NodeContext, step: int, cid: str, writer: str) -> bool:
@@ -174,27 +197,38 @@ class CheckpointService:
         run = ctx.the_run()
         store, keep = ctx.checkpoints, run.manifest.checkpoint.keep
 
-        def write() -> tuple[str, set[str]]:
-            cid = store.save(run.run_id, snapshot.step, snapshot.tensors,
-                             {"peer": ctx.peer_id})
+        # The checkpoint claims the steps its weights were trained, not the round clock
+        # (a node that started from scratch follows the swarm's clock; docs/checkpoints.md)
+        trained = snapshot.step if snapshot.trained is None else min(snapshot.trained,
+                                                                     snapshot.step)
+        meta = {"peer": ctx.peer_id, "clock": snapshot.step, "parent": snapshot.parent or ""}
+
+        def write() -> tuple[str, int, set[str]]:
+            cid = store.save(run.run_id, trained, snapshot.tensors, meta)
+            size = store.manifest(cid).size
             before = {c for c, _ in store.list(run.run_id)}
             store.retain(run.run_id, keep)
-            return cid, before - {c for c, _ in store.list(run.run_id)}
+            return cid, size, before - {c for c, _ in store.list(run.run_id)}
 
-        try:
-            cid, dropped = await trio.to_thread.run_sync(write)
-        except NodeError as e:
-            self.failed += 1
-            log.error("%s", e)
-            return
+        # One save at a time: two in worker threads at once each ran retention over the
+        # other's half-done state, and one read back a manifest the other had just dropped
+        # (a CheckpointError that stopped the trainer).
+        async with self._writing:
+            try:
+                cid, size, dropped = await trio.to_thread.run_sync(write)
+            except NodeError as e:
+                self.failed += 1
+                log.error("%s", e)
+                return
         self.saved += 1
         run.progress.checkpoints += 1
         run.progress.last_checkpoint = cid
-        log.info("checkpoint %s at step %d", cid, snapshot.step)
+        log.info("checkpoint %s at step %d (%d steps trained)", cid, snapshot.step, trained)
         self._unannounce(ctx, dropped)
-        m = store.manifest(cid)
+        if cid in dropped:  # it claims less than the `keep` we hold (we resumed from scratch
+            return  # after a damaged checkpoint): nothing to announce
         self._publish(run.document.set(ckpt_key(ctx.peer_id, cid),
-                                       {"hash": cid, "step": m.step, "size": m.size}, _now_ms()))
+                                       {"hash": cid, "step": trained, "size": size}, _now_ms()))
         if ctx.substrate.dht is not None:
             await ctx.substrate.dht.provide(ckpt_provider_key(cid))
 

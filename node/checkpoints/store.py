@@ -148,6 +148,15 @@ class CheckpointStore:
         found = self.list(run)
         for cid, _ in found[:-keep] if keep > 0 else found:
             (self.manifests / cid).unlink(missing_ok=True)
+        return self._drop_unreferenced()
+
+    def discard(self, cid: str) -> None:
+        """Forget checkpoint `cid` (a joiner refused it: not resumed, not served)."""
+        (self.manifests / cid).unlink(missing_ok=True)
+        self._drop_unreferenced()
+
+    def _drop_unreferenced(self) -> int:
+        """Delete the chunks no manifest lists; returns how many."""
         referenced = {d for _, m in self.list() for d in m.chunks}
         self._verified &= referenced
         dropped = 0

@@ -96,11 +96,16 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     return trainer, outer, m.outer.inner_steps
 
 
-def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any) -> None:
-    """Continue from the run's newest checkpoint in the store, if it holds one."""
+def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any,
+                  stats: Any = None) -> None:
+    """Continue from the run's newest checkpoint in the store, if it holds one. `stats`
+    (the TrainingStats) learns what the weights now carry: the checkpoint's claim of
+    trained steps (its manifest step) and its id, the lineage of what we write next."""
     latest = checkpoints.latest(mf.run_id(mf.canonical_bytes(m)))
     if latest:
-        _resume(trainer, outer, checkpoints, latest)
+        trained = _resume(trainer, outer, checkpoints, latest)
+        if trained is not None and stats is not None:
+            stats.trained, stats.lineage = trained, latest
 
 
 class Prebuild:
@@ -160,9 +165,10 @@ def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> A
     return GossipLearning(layout, make_aggregator(m.aggregate.method, self_id=peer_id, **params))
 
 
-def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
-    """Continue from a local checkpoint; a damaged or foreign one is skipped with a logged
-    reason (training starts from the initial weights instead)."""
+def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> int | None:
+    """Continue from a local checkpoint and return the trained steps it claims (its
+    manifest step); a damaged or foreign one is skipped with a logged reason (training
+    starts from the initial weights instead) and None returned."""
     import logging
 
     from node.trainer.errors import TrainerError
@@ -170,8 +176,11 @@ def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> None:
 
     log = logging.getLogger("node.training")
     try:
-        _, tensors = store.load(cid)
+        manifest, tensors = store.load(cid)
         restore_checkpoint(trainer, outer, tensors)
-        log.info("resumed from checkpoint %s (step %d)", cid, trainer.step_count)
     except (NodeError, TrainerError, KeyError, RuntimeError, ValueError) as e:
         log.warning("not resuming from %s: %s", cid, e)
+        return None
+    log.info("resumed from checkpoint %s (step %d, %d steps trained)", cid, trainer.step_count,
+             manifest.step)
+    return int(manifest.step)

@@ -20,20 +20,32 @@ class Outcome:
     partner_thetas: list[Any]  # flat fp32 vectors; empty = local outer step
     partner: str | None = None
     peers: tuple[str, ...] = ()  # who sent each of partner_thetas
+    # the partners' trained steps (their heartbeats' `trained`), where known: what the
+    # averaged weights carry (TrainingService._credit_averaging)
+    partner_trained: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A checkpoint's worth of state, copied in the trainer thread at a step boundary."""
+    """A checkpoint's worth of state, copied in the trainer thread at a step boundary.
+
+    `step` is the round clock (where the run's schedule is); `trained` is what the weights
+    embody, the checkpoint's claim (docs/checkpoints.md, "What a checkpoint claims")."""
 
     step: int
     tensors: dict[str, Any]
+    trained: int | None = None  # None: the clock (a trainer that never jumped)
+    parent: str | None = None  # the checkpoint the weights were resumed from
 
 
 @dataclass
 class TrainingStats:
     phase: str = "loading"
-    step: int = 0
+    step: int = 0  # the round clock: follows the swarm's round (pairing, lr schedule)
+    # Inner steps the weights embody: the node's own steps plus what it resumed from or
+    # received by averaging; never above `step`. What its checkpoints claim.
+    trained: int = 0
+    lineage: str | None = None  # the checkpoint the weights were resumed from (None: init)
     round: int = 0
     loss: float | None = None
     val_loss: float | None = None

@@ -16,6 +16,13 @@ DiLoCo (`outer.algorithm = "diloco"`, a baseline) is the exception: its outer op
 `synchronous`, so the trainer waits at each boundary for the round's all-reduce (the
 averager's `allreduce`) and steps nothing meanwhile.
 
+The step and the weights. A node that jumps to the swarm's round moves its round clock
+(`stats.step`: pairing, the lr schedule), not its weights: what the weights embody is
+`stats.trained`, its own inner steps plus what it resumed from (the checkpoint's claim)
+plus what averaging brought in (`_credit_averaging`). Its checkpoints claim `trained`,
+never the clock: a joiner whose checkpoint pull failed trains from the run's initial
+weights, and its checkpoints say so (docs/checkpoints.md, "What a checkpoint claims").
+
 Delayed application. The exchange for round r runs while the inner steps of round r+1
 compute. When round r's outcome arrives (at the first inner step after it lands), the
 trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/optim) and
@@ -28,6 +35,7 @@ nothing. The trainer never waits on the network.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -101,6 +109,9 @@ class TrainingService:
         self._stop = threading.Event()
         self.outer: Any = None  # the outer optimizer, once the trainer thread has built it
         self._run_ctx: Any = None  # the node's RunContext, when run as a service
+        # A partner's trained steps as its heartbeats report them (None: not known); set
+        # from the membership view when run as a service.
+        self._trained_of: Callable[[str], int | None] = lambda peer: None
 
     def statistics(self) -> dict[str, Any]:
         return self.stats.snapshot()
@@ -111,6 +122,7 @@ class TrainingService:
             await self._train_in_thread(task_status)
             return
         self._run_ctx = ctx.the_run()
+        self._trained_of = lambda peer: _reported_trained(ctx, peer)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_swarm, ctx)
             nursery.start_soon(self._note_first_step, ctx)
@@ -198,6 +210,9 @@ class TrainingService:
             except Exception as e:  # any failure is a local step, never a dead trainer
                 log.warning("round %d: exchange failed (%r); local outer step", boundary.round, e)
                 outcome = Outcome(boundary.round, [])
+        if outcome.partner_thetas and not outcome.partner_trained:
+            known = [t for t in map(self._trained_of, outcome.peers) if t is not None]
+            outcome = dataclasses.replace(outcome, partner_trained=tuple(known))
         self._outcomes.put(outcome)
 
     # -- the trainer thread -----------------------------------------------------------------
@@ -224,6 +239,9 @@ class TrainingService:
         st.phase = "training"
         st.started_at = time.monotonic()
         st.step = trainer.step_count  # a resumed trainer starts at its checkpoint's step
+        # ... and its weights carry what the checkpoint claimed (resume_newest sets it);
+        # never more than the clock
+        st.trained = min(st.trained, st.step)
         pending: dict[int, Any] = {}  # round -> snapshot awaiting its outcome
         # Checkpoints are due each time the step passes a multiple of checkpoint_every, not
         # only on the multiple itself: a node that jumps to the swarm's round may land on
@@ -246,8 +264,11 @@ class TrainingService:
                 # node that kept catching up met its partners in no round at all (the
                 # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges).
                 target = self.swarm_step // inner_steps * inner_steps - 1
-                log.info("step %d is behind the swarm (%d): continuing from step %d",
-                         st.step, self.swarm_step, target)
+                # Only the clock jumps: the weights keep the steps they were trained
+                # (`trained`), and so do the checkpoints written from them.
+                log.info("step %d is behind the swarm (%d): the round clock continues from "
+                         "step %d; the weights keep their %d trained steps",
+                         st.step, self.swarm_step, target, st.trained)
                 for r in sorted(pending):
                     self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
                 trainer.step_count = st.step = target
@@ -258,6 +279,7 @@ class TrainingService:
                 lower_session_priority()  # the join is over: other joiners go first
             st.compute_s += time.perf_counter() - t0  # evaluation included: it is compute too
             st.step, st.loss, st.lr = s.step, s.loss, s.lr
+            st.trained = min(st.trained + 1, st.step)
             if s.val_loss is not None:
                 st.val_loss = s.val_loss
                 st.val_metrics = {k: round(v, 4) for k, v in (trainer.last_eval or {}).items()}
@@ -265,7 +287,8 @@ class TrainingService:
                     st.first_val_loss = s.val_loss
             if self.checkpoint_every and s.step // self.checkpoint_every > saved:
                 saved = s.step // self.checkpoint_every
-                post(Snapshot(s.step, checkpoint_tensors(trainer, outer)))
+                post(Snapshot(s.step, checkpoint_tensors(trainer, outer), trained=st.trained,
+                              parent=st.lineage))
             if outer is not None and s.step % inner_steps == 0:
                 # the clock starts before the post: the exchange may begin (and its
                 # all-reduce run) before this thread is back from handing the boundary over
@@ -333,10 +356,22 @@ class TrainingService:
                 continue
             self._outer_step(trainer, outer, snapshot, outcome)
             if outcome.partner_thetas:
+                self._credit_averaging(outcome)
                 self.stats.rounds_averaged += 1
                 self.stats.last_partner = outcome.partner
             else:
                 self.stats.rounds_local += 1
+
+    def _credit_averaging(self, outcome: Outcome) -> None:
+        """An averaged round moved the weights toward the group's mean, so they now carry
+        the mean of the group's trained steps (ours and each partner's whose heartbeats
+        report it), if that is more than ours: a node that started from scratch catches
+        up as its weights do, about half the gap per round with one partner. A partner's
+        count only raises ours by its share, and never past our clock: one peer that
+        claims too much cannot make our checkpoints claim the swarm's step."""
+        st = self.stats
+        group = [st.trained, *(min(t, st.step) for t in outcome.partner_trained if t >= 0)]
+        st.trained = max(st.trained, min(st.step, sum(group) // len(group)))
 
     def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
         phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
@@ -348,3 +383,10 @@ class TrainingService:
         if hasattr(outer, "last_weights") and outcome.partner_thetas:
             self.stats.aggregation = {"round": outcome.round, "weights": outer.last_weights,
                                       "rejected": outer.last_rejected}
+
+
+def _reported_trained(ctx: NodeContext, peer: str) -> int | None:
+    """`trained` from `peer`'s last heartbeat, if it is a sane int (an older node sends none)."""
+    entry = ctx.membership.book.get(peer)
+    value = ((entry.info.get("stats") or {}) if entry is not None else {}).get("trained")
+    return value if type(value) is int and value >= 0 else None
