@@ -45,6 +45,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p import addrs as addr_policy
 from p2p import circuit, lazy_select
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
@@ -239,12 +240,38 @@ class Substrate:
     def _advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
         """--announce addresses, those announced at run time (a UPnP mapping, the public
         side of a full-cone NAT), then our listen addresses: a dialer tries them in order,
-        and behind a NAT the listen address is a LAN one that a silent NAT lets time out."""
+        and behind a NAT the listen address is a LAN one that a silent NAT lets time out.
+        An unspecified listen address (0.0.0.0) becomes this machine's interface addresses
+        (p2p/addrs.py): it was advertised as it was, and peers dialed their own machine."""
         out: list[multiaddr.Multiaddr] = []
-        for a in [*self._configured, *self._announced, *candidates]:
-            if all(str(a) != str(b) for b in out):
-                out.append(a)
+        own = addr_policy.expand(str(a) for a in candidates)
+        for a in [*map(str, self._configured), *map(str, self._announced), *own]:
+            ip = addr_policy.ip_of(a)
+            if (ip is None or not ip.is_unspecified) and all(a != str(b) for b in out):
+                out.append(multiaddr.Multiaddr(a))
         return out
+
+    def network(self) -> addr_policy.Network:
+        """Where this node sits for the dial policy: our interface IPs and bound listen
+        addresses (p2p/addrs.py)."""
+        bound = [] if self.host is None else [str(a) for a in self.host.get_transport_addrs()]
+        return addr_policy.Network.of(bound or [str(a) for a in self.listen])
+
+    def peer_ips(self, peer: ID) -> list[str]:
+        """The remote IPs of our direct connections to `peer` (relayed ones left out)."""
+        if self.host is None:
+            return []
+        ips = []
+        for conn in self.host.get_network().get_connections(peer):
+            if is_relayed(conn):
+                continue
+            try:
+                remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+            except Exception:
+                continue
+            if remote:
+                ips.append(str(remote[0]))
+        return sorted(set(ips))
 
     def announce(self, addr: str) -> None:
         """Advertise `addr` (no /p2p/<us> suffix) as well as our listen addresses; a
@@ -389,6 +416,7 @@ class Substrate:
                 if network.get_connections(info.peer_id) or not info.addrs:
                     await self.host.connect(info)  # reuses it (waits until it is ready)
                 else:
+                    self._check_dialable(addr)
                     # This address, not py-libp2p's pick: its dial_peer dials only the
                     # first TCP address in the peerstore, so a peer whose first address is
                     # a LAN one (behind a full-cone or UPnP NAT) was never dialed at the
@@ -400,11 +428,24 @@ class Substrate:
                         await started.wait()
         except trio.TooSlowError:
             raise DialError(addr, f"no answer within {timeout:g} s") from None
+        except DialError:
+            raise
         except Exception as e:
             raise DialError(addr, _dial_reason(e)) from e
         if self.dht is not None:
             await self.dht.add_peer(info.peer_id)
         return info.peer_id
+
+    def _check_dialable(self, addr: str) -> None:
+        """Raise DialError for an address the dial policy (p2p/addrs.py) refuses. Here an
+        address someone gave us to join by: loopback is fine whenever we listen on this
+        machine's loopback (127.0.0.1 or 0.0.0.0): the operator's local bootstrap."""
+        net = self.network()
+        local = any((ip := addr_policy.ip_of(a)) is not None and
+                    (ip.is_loopback or ip.is_unspecified) for a in net.listen)
+        reason = net.refuse(addr, peer_local=local)
+        if reason is not None:
+            raise DialError(addr, f"not dialed: {reason}")
 
     def direct_addrs(self, peer: ID) -> list[str]:
         """The addresses the peerstore (identify, peer records) has for `peer`, relayed
@@ -424,7 +465,7 @@ class Substrate:
         Returns the address that answered, or None."""
         assert self.host is not None
         swarm = self.host.get_network()
-        for a in self.direct_addrs(peer):
+        for a in self.network().dialable(self.direct_addrs(peer)):
             try:
                 with trio.fail_after(timeout):
                     await swarm.dial_addr(multiaddr.Multiaddr(a), peer)  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from multiaddr import Multiaddr
 from node.reach.paths import PathService, ping
 from node.reach.punch import PROTOCOL_ID, Backoff, HolePunchService, PunchError, _dialable
 from node.reach.relays import RelayService
+from p2p.addrs import Network
 from p2p.host import Substrate
 from tests.conftest import await_until
 
@@ -94,7 +95,7 @@ def test_only_tcp_addresses_are_dialed_and_no_more_than_eight():
     raw = [Multiaddr(f"/ip4/198.18.1.{i}/tcp/4001").to_bytes() for i in range(20)]
     raw += [b"\xff garbage", Multiaddr("/ip4/1.2.3.4/udp/1/quic-v1").to_bytes(),
             Multiaddr("/ip4/1.2.3.4/tcp/1/p2p-circuit").to_bytes()]
-    got = _dialable(raw[-3:] + raw[:20])
+    got = _dialable(raw[-3:] + raw[:20], Network.of(["/ip4/198.18.9.2/tcp/4001"], []))
     assert [str(a) for a in got] == [f"/ip4/198.18.1.{i}/tcp/4001" for i in range(8)]
 
 

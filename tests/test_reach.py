@@ -15,9 +15,11 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.reach import autonat
-from node.reach.autonat import Answer, Verdict
+from node.reach import service as reach_service
+from node.reach.autonat import Answer, Window
 from node.reach.service import ReachabilityService
 from node.reach.upnp import Mapping
+from p2p.addrs import Network
 from p2p.host import DialError, Substrate
 from testnet import stun
 from tests.conftest import cli
@@ -53,19 +55,50 @@ async def test_dial_back_is_on_a_fresh_connection_and_proves_the_key():
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize(("statuses", "confirmations", "verdict"), [
-    ([], 3, "unknown"),
-    (["error", "error"], 3, "unknown"),
-    (["reached"], 3, "public"),  # one server in a small swarm is enough
-    (["refused"], 3, "private"),
-    (["reached", "unreachable"], 3, "unknown"),  # disagreement decides nothing
-    (["reached", "reached", "unreachable", "error"], 2, "public"),
-    (["unreachable", "refused", "refused", "reached"], 3, "private"),
-    (["unreachable", "refused", "reached", "reached"], 3, "unknown"),
-])
-def test_verdict_needs_agreeing_answers(statuses, confirmations, verdict):
-    answers = [Answer(f"s{i}", s) for i, s in enumerate(statuses)]
-    assert Verdict(answers).decide(confirmations) == verdict
+def _vote(ip: str, status: str, local: bool = False) -> Answer:
+    return Answer(f"server@{ip}", status, ip=ip, local=local)
+
+
+def test_a_public_node_whose_first_dial_back_failed_becomes_public():
+    # The old rule (3 agreeing answers, else keep the old verdict) left this node private
+    # for good: two "reached" against one "unreachable" are not 3 agreeing.
+    w = Window()
+    w.add(_vote("198.18.1.2", "unreachable"), 0)
+    assert w.decide(0) == "private"
+    w.add(_vote("198.18.2.2", "reached"), 10)
+    assert w.decide(10) == "unknown"  # a tie decides nothing
+    w.add(_vote("198.18.3.2", "reached"), 20)
+    assert w.decide(20) == "public"
+    # and back: the same servers now fail (a firewall went up); their latest answers count
+    for ip in ("198.18.2.2", "198.18.3.2"):
+        w.add(_vote(ip, "unreachable"), 30)
+    assert w.decide(30) == "private" and w.tally(30) == (0, 3)
+
+
+def test_servers_on_our_machine_do_not_vote_and_one_ip_is_one_voice():
+    w = Window()
+    w.add(_vote("198.18.1.2", "reached", local=True), 0)  # a bootstrap on our machine
+    assert w.decide(0) == "unknown" and w.tally(0) == (0, 0)
+    w.add(_vote("198.18.2.2", "unreachable"), 1)
+    assert w.decide(1) == "private"
+    for _ in range(3):  # several servers behind one IP (or one asked again): one vote
+        w.add(_vote("198.18.5.2", "reached"), 2)
+    w.add(_vote("198.18.3.2", "refused"), 3)
+    assert w.tally(3) == (1, 2) and w.decide(3) == "private"
+    w.add(_vote("198.18.4.2", "error"), 4)  # errors do not vote, nor replace a vote
+    assert w.tally(4) == (1, 2)
+
+
+def test_the_window_forgets_old_answers_and_holds_a_bounded_number():
+    w = Window(size=3, max_age_s=100)
+    w.add(_vote("198.18.1.2", "unreachable"), 0)
+    w.add(_vote("198.18.2.2", "reached"), 50)
+    assert w.decide(50) == "unknown"
+    assert w.decide(120) == "public"  # the unreachable answer aged out
+    for i in range(3, 10):
+        w.add(_vote(f"198.18.{i}.2", "unreachable"), 130)
+    assert len(w.votes) == 3 and w.decide(130) == "private"
+    assert w.decide(1000) == "unknown"  # everything aged out: no evidence
 
 
 def test_stun_answers_from_the_address_the_request_asks_for():
@@ -129,9 +162,12 @@ class FakeSubstrate:
     def __init__(self, listen: str = "/ip4/198.19.9.2/tcp/4001") -> None:
         self.announced: list[str] = []
         self.listen = [listen]
+        self.peers: dict[str, str] = {}  # peer -> its IP (connected directly)
 
     def set_handler(self, protocol, handler) -> None: ...
-    def connected_peers(self) -> list: return []
+    def connected_peers(self) -> list: return list(self.peers)
+    def peer_ips(self, peer) -> list[str]: return [self.peers[peer]]
+    def network(self) -> Network: return Network.of(self.listen, interfaces=["198.19.9.2"])
     def addrs(self) -> list[str]: return ["/ip4/198.19.9.2/tcp/4001/p2p/me"]
     def observed_ips(self) -> list[str]: return []
     def listen_ports(self) -> list[int]: return [4001]
@@ -239,3 +275,49 @@ def test_lanes_are_dialable_unless_behind_a_nat_or_only_through_a_mapping():
     assert svc.lane_dialable()
     svc.mapping = Mapping("198.18.9.2", 4001, "198.19.9.2", 4001, 100)
     assert not svc.lane_dialable()
+
+
+async def test_the_verdict_and_the_dht_mode_follow_the_answers_both_ways(autojump_clock,
+                                                                         monkeypatch):
+    # Scripted AutoNAT answers (the dial-backs themselves are tested above and in
+    # test_reach_netns.py): A fails to dial us back, B and C reach us, then all fail.
+    answers = {"A": "unreachable", "B": "reached", "C": "reached"}
+
+    async def ask(sub, server, addrs):
+        return Answer(server, answers[server])
+
+    monkeypatch.setattr(reach_service, "ask", ask)
+    sub = FakeSubstrate()
+    sub.peers = {"A": "198.18.1.2"}
+    svc = ReachabilityService(upnp=False, interval_s=60, retry_s=5)
+    seen: list[tuple[str, bool]] = []
+
+    async def watch():
+        while True:
+            await svc.changed.wait()
+            await trio.sleep(0)  # the loop sets the DHT mode right after the check
+            seen.append((svc.state, sub.dht_server))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        nursery.start_soon(svc.run, SimpleNamespace(substrate=sub))
+        await trio.sleep(1)
+        assert svc.state == "private" and sub.dht_server is False
+        sub.peers = {"A": "198.18.1.2", "B": "198.18.2.2", "C": "198.18.3.2"}
+        await trio.sleep(200)
+        assert svc.state == "public" and sub.dht_server is True
+        answers.update(B="unreachable", C="unreachable")
+        await trio.sleep(200)
+        assert svc.state == "private" and sub.dht_server is False
+        nursery.cancel_scope.cancel()
+    assert ("public", True) in seen
+
+
+def test_checks_come_sooner_while_uncertain_doubling_up_to_the_interval():
+    svc = ReachabilityService(interval_s=120, retry_s=5)
+    assert svc.next_wait() == 120
+    waits = []
+    for n in range(1, 7):
+        svc._uncertain = n
+        waits.append(svc.next_wait())
+    assert waits == [5, 10, 20, 40, 80, 120]

@@ -8,8 +8,12 @@ fresh connection instead (`Substrate.probe`: a new TCP connection and a Noise ha
 that proves the requester's key), and only the addresses at the IP it saw the request
 come from (py-libp2p's filter; no amplification).
 
-The verdict is ours too: py-libp2p wants 4 servers to agree, which a small swarm never
-has. `Verdict.decide` asks for `min(confirmations, voters)` agreeing answers.
+The verdict is ours too (`Window`): py-libp2p wants 4 servers to agree, which a small
+swarm never has, and a fixed count of agreeing answers per round never changed its mind
+(a public node whose first dial-back failed: two "reached" against one "unreachable" are
+not 3 agreeing, so it stayed private). Here each server IP's latest answer is one vote, in
+a window of recent answers; servers on our own machine do not vote (a dial-back from our
+own IP proves nothing about other machines); the majority decides, either way.
 """
 
 from __future__ import annotations
@@ -68,6 +72,19 @@ class Answer:
     status: str  # "reached" | "unreachable" | "refused" | "error"
     detail: str = ""
     addr: str | None = None
+    ip: str | None = None  # the server's IP (the connection we asked it on)
+    local: bool = False  # the server is on our machine: its answer does not vote
+    at: float = 0.0  # when we got it (trio clock)
+
+    @property
+    def vote(self) -> str | None:
+        """"public", "private" or None. A server that reached us on a fresh connection
+        votes public; one that failed, or could dial none of our addresses (they are not
+        at the IP it sees: we are behind a NAT), votes private; errors, and servers on our
+        own machine, do not vote."""
+        if self.local or self.status not in ("reached", "unreachable", "refused"):
+            return None
+        return "public" if self.status == "reached" else "private"
 
 
 async def ask(substrate: Substrate, server: ID, addrs: list[str]) -> Answer:
@@ -92,22 +109,37 @@ async def ask(substrate: Substrate, server: ID, addrs: list[str]) -> Answer:
 
 
 @dataclass
-class Verdict:
-    """What a round of AutoNAT answers says about us."""
+class Window:
+    """The recent answers that decide our reachability: one vote per server IP (its
+    latest answer; several servers behind one IP, or one server asked again, are one
+    voice), at most `size` IPs, none older than `max_age_s`. Pure: no I/O, the clock is
+    passed in."""
 
-    answers: list[Answer] = field(default_factory=list)
+    size: int = 8
+    max_age_s: float = 900.0
+    votes: dict[str, Answer] = field(default_factory=dict)  # server IP -> latest answer
 
-    def decide(self, confirmations: int) -> str:
-        """"public", "private" or "unknown". A server that reached us on a fresh connection
-        votes public; one that failed, or could dial none of our addresses (they are not
-        at the IP it sees: we are behind a NAT), votes private; errors do not vote."""
-        yes = sum(a.status == "reached" for a in self.answers)
-        no = sum(a.status in ("unreachable", "refused") for a in self.answers)
-        need = min(confirmations, yes + no)
-        if need == 0:
-            return "unknown"
-        if yes >= need and yes > no:
-            return "public"
-        if no >= need and no > yes:
-            return "private"
-        return "unknown"
+    def add(self, answer: Answer, now: float) -> None:
+        """Record `answer` (one without a vote or an IP changes nothing)."""
+        if answer.vote is None or answer.ip is None:
+            return
+        answer.at = now
+        self.votes.pop(answer.ip, None)
+        self.votes[answer.ip] = answer
+        while len(self.votes) > self.size:
+            self.votes.pop(next(iter(self.votes)))
+
+    def current(self, now: float) -> list[Answer]:
+        self.votes = {ip: a for ip, a in self.votes.items() if now - a.at <= self.max_age_s}
+        return list(self.votes.values())
+
+    def tally(self, now: float) -> tuple[int, int]:
+        """(public votes, private votes) in the window now."""
+        votes = [a.vote for a in self.current(now)]
+        return votes.count("public"), votes.count("private")
+
+    def decide(self, now: float) -> str:
+        """"public" or "private" when one side has more votes, else "unknown" (no votes,
+        or a tie)."""
+        yes, no = self.tally(now)
+        return "public" if yes > no else "private" if no > yes else "unknown"

@@ -20,7 +20,11 @@ about it:
 * **Hostile input.** CONNECT/SYNC messages are read with the spec's 4 KiB limit; a
   peer's addresses are filtered (TCP over IP, at most `MAX_ADDRS`) before we dial any.
   Garbage, a wrong message or a failing punch is one log line and a counter in
-  `node status`; the host never sees the exception.
+  `node status`; the host never sees the exception. The address policy (p2p/addrs.py)
+  filters them too: never an unspecified address, never one of our own listen addresses,
+  loopback only in a loopback testnet, a private one only on a network we are on. Our
+  own CONNECT never lists 0.0.0.0: it is expanded to our interface addresses (a dialer
+  once punched its own machine 31 times at a peer's `0.0.0.0:PORT`).
 
 The punch itself (parallel dials bound to the listen port, 3 rounds, the security roles
 of a merged simultaneous open) is py-libp2p's `DCUtRProtocol._perform_hole_punch`; only
@@ -46,6 +50,7 @@ from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
 from libp2p.relay.circuit_v2.utils import write_delimited_msg
 
 from node.service import NodeContext
+from p2p import addrs as addr_policy
 from p2p.host import Substrate, is_relayed
 
 log = logging.getLogger("node.punch")
@@ -259,11 +264,11 @@ class HolePunchService:
         self._under_way[peer] = before
         try:
             ours = HolePunch(type=HolePunch.CONNECT)
-            ours.ObsAddrs.extend(await dcutr._get_observed_addrs())
+            ours.ObsAddrs.extend(_advertisable(await dcutr._get_observed_addrs()))
             sent = time.monotonic()
             theirs = await self._exchange(stream, ours, HolePunch.CONNECT)
             rtt = time.monotonic() - sent
-            addrs = _dialable(list(theirs.ObsAddrs))
+            addrs = _dialable(list(theirs.ObsAddrs), sub.network())
             if not addrs:
                 raise PunchError("the peer sent no address we can dial")
             with trio.fail_after(self.message_timeout_s):
@@ -292,9 +297,9 @@ class HolePunchService:
                 before = self._direct_conns(sub, pid)
                 with trio.fail_after(self.message_timeout_s):
                     theirs = await _read(stream, HolePunch.CONNECT)
-                addrs = _dialable(list(theirs.ObsAddrs))
+                addrs = _dialable(list(theirs.ObsAddrs), sub.network())
                 ours = HolePunch(type=HolePunch.CONNECT)
-                ours.ObsAddrs.extend(await dcutr._get_observed_addrs())
+                ours.ObsAddrs.extend(_advertisable(await dcutr._get_observed_addrs()))
                 await self._exchange(stream, ours, HolePunch.SYNC)
                 if not addrs:
                     raise PunchError("the peer sent no address we can dial")
@@ -409,9 +414,23 @@ async def _read(stream, expect: int) -> HolePunch:
     return msg
 
 
-def _dialable(raw: list[bytes]) -> list[multiaddr.Multiaddr]:
-    """The peer's addresses we will dial: TCP over IPv4/IPv6, no relay, at most MAX_ADDRS
-    (a CONNECT is someone else's list of places for us to send SYNs to)."""
+def _advertisable(raw: list[bytes]) -> list[bytes]:
+    """Our CONNECT's addresses as the address policy advertises them: 0.0.0.0 expanded to
+    this machine's interface addresses, never sent as it is."""
+    out = []
+    for b in raw:
+        try:
+            out.append(str(multiaddr.Multiaddr(b)))
+        except Exception:
+            continue
+    return [multiaddr.Multiaddr(a).to_bytes() for a in addr_policy.expand(out)][:MAX_ADDRS]
+
+
+def _dialable(raw: list[bytes], net: addr_policy.Network) -> list[multiaddr.Multiaddr]:
+    """The peer's addresses we will dial: TCP over IPv4/IPv6, no relay, at most MAX_ADDRS,
+    and only those the address policy allows (`net`: never unspecified, never our own
+    listen addresses, loopback and private ranges only where we share that network): a
+    CONNECT is someone else's list of places for us to send SYNs to."""
     out: list[multiaddr.Multiaddr] = []
     for b in raw[:64]:
         try:  # multiaddr parses lazily: garbage shows only when its parts are read
@@ -421,7 +440,7 @@ def _dialable(raw: list[bytes]) -> list[multiaddr.Multiaddr]:
         except Exception:
             continue
         tcp = protos[:1] in (["ip4"], ["ip6"]) and protos[1:] == ["tcp"]
-        if tcp and all(str(a) != str(x) for x in out):
+        if tcp and net.refuse(str(a)) is None and all(str(a) != str(x) for x in out):
             out.append(a)
         if len(out) >= MAX_ADDRS:
             break

@@ -2,9 +2,14 @@
 
 Every node serves AutoNAT (node/reach/autonat.py: the dial-back on a fresh connection) and
 asks up to `max_servers` connected peers to dial it back, at its listen addresses and at
-the IPs peers saw it come from (a NAT's public side) with its listen port. The verdict
-(`public`, `private`, `unknown`) is in `node status`, re-checked every `interval_s`, and
-sooner when our candidate addresses change or while it is unknown.
+the IPs peers saw it come from (a NAT's public side) with its listen port. Each round asks
+servers at distinct IPs (one per IP, those not on our machine first); their answers go into
+a window of recent answers, one vote per server IP (node/reach/autonat.py, `Window`), and
+the majority is the verdict (`public`, `private`, `unknown`), in `node status`. It is
+re-checked every `interval_s`; while it is unknown or the window is split, after
+`retry_s`, doubling up to `interval_s`; at once when our candidate addresses change. A
+verdict can change either way, and what hangs on it follows: the DHT mode here, relay
+service and relayed addresses in node/reach/relays.py, who drives a punch.
 
 A private node asks its gateway for a TCP port mapping (UPnP IGD via miniupnpc), announces
 the mapped address, checks again (a mapping only counts once a peer reached us through
@@ -25,7 +30,7 @@ from typing import Any
 
 import trio
 
-from node.reach.autonat import PROTOCOL_ID, Answer, Verdict, ask, server_handler
+from node.reach.autonat import PROTOCOL_ID, Answer, Window, ask, server_handler
 from node.reach.upnp import Gateway, Mapping, UpnpError
 from node.service import NodeContext
 from p2p.host import Substrate
@@ -38,12 +43,14 @@ class ReachabilityService:
     protocols = (PROTOCOL_ID,)
 
     def __init__(self, *, upnp: bool = True, interval_s: float = 120.0, retry_s: float = 5.0,
-                 confirmations: int = 3, max_servers: int = 5, lease_s: int = 3600,
-                 upnp_retry_s: float = 600.0, gateway: Gateway | None = None) -> None:
+                 window: int = 8, window_s: float = 900.0, max_servers: int = 5,
+                 lease_s: int = 3600, upnp_retry_s: float = 600.0,
+                 gateway: Gateway | None = None) -> None:
         self.upnp_enabled = upnp
         self.interval_s = interval_s
         self.retry_s = retry_s
-        self.confirmations = confirmations
+        self.window = Window(size=window, max_age_s=window_s)
+        self._uncertain = 0  # checks in a row that left us unknown or split
         self.max_servers = max_servers
         self.lease_s = lease_s
         self.upnp_retry_s = upnp_retry_s
@@ -104,13 +111,20 @@ class ReachabilityService:
         return self.state != "private" and self.mapping is None
 
     async def _wait(self, sub: Substrate) -> None:
-        """Until the next check: the interval, or sooner if our candidates changed."""
-        wait = self.interval_s if self.state != "unknown" else self.retry_s
+        """Until the next check: the interval; while uncertain (unknown, or votes on both
+        sides) `retry_s`, doubling per uncertain check up to the interval; sooner if our
+        candidates changed."""
+        wait = self.next_wait()
         deadline = trio.current_time() + wait
         while trio.current_time() < deadline:
             await trio.sleep(min(1.0, max(0.0, deadline - trio.current_time())))
             if self._candidates(sub) != self.candidates:
                 return
+
+    def next_wait(self) -> float:
+        if self._uncertain == 0:
+            return self.interval_s
+        return min(self.interval_s, self.retry_s * 2 ** (self._uncertain - 1))
 
     def _candidates(self, sub: Substrate) -> list[str]:
         """Where a peer might reach us: listen and announced addresses, and each IP peers
@@ -121,35 +135,69 @@ class ReachabilityService:
         return sorted(set(own) | set(seen))
 
     async def check(self, sub: Substrate) -> str:
-        """One round: ask up to `max_servers` connected peers; update the verdict."""
-        servers = [p for p in sub.connected_peers() if p != sub.peer_id]
-        random.shuffle(servers)
-        servers = servers[:self.max_servers]
+        """One round: ask up to `max_servers` connected peers at distinct IPs; add their
+        answers to the window; the window's majority is the verdict."""
         self.candidates = self._candidates(sub)
+        servers = self._servers(sub)
         answers: list[Answer] = []
 
-        async def one(server) -> None:
-            answers.append(await ask(sub, server, self.candidates))
+        async def one(server, ip: str, local: bool) -> None:
+            answer = await ask(sub, server, self.candidates)
+            answer.ip, answer.local = ip, local
+            answers.append(answer)
 
         async with trio.open_nursery() as nursery:
-            for server in servers:
-                nursery.start_soon(one, server)
-        before = self.state
-        state = Verdict(answers).decide(self.confirmations)
+            for server, ip, local in servers:
+                nursery.start_soon(one, server, ip, local)
+        now = trio.current_time()
+        for a in answers:
+            self.window.add(a, now)
         self.answers = answers
-        if state != "unknown":  # no peers, errors or disagreement: keep what we knew
+        return self._decide(sub, now)
+
+    def _servers(self, sub: Substrate) -> list[tuple[Any, str, bool]]:
+        """(peer, its IP, on our machine) for up to `max_servers` directly connected
+        peers, one per IP, those on other machines first (a relayed-only peer's IP is its
+        relay's: not asked)."""
+        peers = [p for p in sub.connected_peers() if p != sub.peer_id]
+        if not peers:
+            return []
+        random.shuffle(peers)
+        net = sub.network()
+        by_ip: dict[str, tuple[Any, str, bool]] = {}
+        for peer in peers:
+            for ip in sub.peer_ips(peer):
+                by_ip.setdefault(ip, (peer, ip, net.is_own(ip)))
+        chosen, used = [], set()
+        for server in sorted(by_ip.values(), key=lambda s: s[2]):  # other machines first
+            if server[0] not in used:
+                used.add(server[0])
+                chosen.append(server)
+        return chosen[:self.max_servers]
+
+    def _decide(self, sub: Substrate, now: float) -> str:
+        """Apply the window's verdict. No votes (none yet, or all expired) or a tie keeps
+        what we knew; a majority the other way changes it."""
+        before = self.state
+        state = self.window.decide(now)
+        yes, no = self.window.tally(now)
+        if state != "unknown":
             self.state = state
-            reached = {a.addr for a in answers if a.status == "reached"}
+            votes = self.window.current(now)
+            reached = {a.addr for a in votes if a.status == "reached"}
             mapped = self.mapping.multiaddr if self.mapping else None
             self.via = None if state != "public" else (
                 "upnp" if mapped and any(r and r.startswith(mapped) for r in reached)
                 else "direct")
             self._advertise_reached(sub, reached if self.via == "direct" else set())
+        uncertain = self.state == "unknown" or (yes > 0 and no > 0)
+        self._uncertain = self._uncertain + 1 if uncertain else 0
         self.checks += 1
         self.checked_at = time.time()
         if self.state != before:
-            log.info("reachability: %s%s (%s)", self.state,
-                     f" via {self.via}" if self.via else "", _summary(answers))
+            log.info("reachability: %s%s (%d public, %d private votes; this round: %s)",
+                     self.state, f" via {self.via}" if self.via else "", yes, no,
+                     _summary(self.answers))
         self.changed.set()
         self.changed = trio.Event()
         return self.state
@@ -236,6 +284,7 @@ class ReachabilityService:
             "candidates": self.candidates,
             "public_addr": self.public_addr,
             "answers": [vars(a) for a in self.answers],
+            "votes": {ip: a.vote for ip, a in self.window.votes.items()},
             "upnp": {"state": self.upnp_state, "gateway": self.gateway.url,
                      "mapping": self.mapping.multiaddr if self.mapping else None,
                      "lease_s": self.lease_s if self.mapping else None,
