@@ -22,6 +22,7 @@ Log lines about a peer carry `extra={"peer", "reason"}` so the node's log filter
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 from collections import Counter
@@ -57,7 +58,37 @@ _INVALID = (DecodeError, MessageTooLarge, ParseError)
 _PEERS_OWN = frozenset({"streams_per_peer", "bytes_per_peer"})
 
 
+class Misbehaviour(Exception):
+    """Raised by a handler that refused a peer's stream for a reason it can name: the gate
+    scores `kind` (a key of p2p/scores.py's penalties) and logs the message once per the
+    log filter's window, instead of the handler logging each one itself."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# The gate and peer of the stream the current task is handling (set by `Gate.guard`), so
+# code deep inside a library's handler that swallows its errors (KadDHT's) can `blame`.
+_on_stream: contextvars.ContextVar[tuple[Gate, str] | None] = contextvars.ContextVar(
+    "peer_on_stream", default=None)
+
+
+def blame(kind: str, why: str) -> bool:
+    """Score the peer whose stream this task is handling for `kind`; False (nothing done)
+    outside a guarded handler (our own outbound requests, for instance)."""
+    current = _on_stream.get()
+    if current is None:
+        return False
+    gate, peer = current
+    gate.penalize(peer, kind)
+    log.info("%s from peer %s: %s", kind, peer, why, extra={"peer": peer, "reason": kind})
+    return True
+
+
 def default_classify(e: BaseException) -> str:
+    if isinstance(e, Misbehaviour):
+        return e.kind
     if isinstance(e, trio.TooSlowError):
         return "deadline"
     if isinstance(e, _INVALID):
@@ -178,13 +209,15 @@ class Gate:
                          extra={"peer": peer, "reason": reason})
                 await _reset(stream)
                 return
+            token = _on_stream.set((self, peer))
             try:
                 with trio.move_on_after(deadline_s if deadline_s else float("inf")) as scope:
                     await handler(stream)
                 if scope.cancelled_caught:
                     raise trio.TooSlowError(f"stream outlived its {deadline_s:g} s deadline")
             except Exception as e:  # one bad stream must never take down the host
-                kind = (self.classify(e) if self.classify else None) or default_classify(e)
+                kind = ((self.classify(e) if self.classify and not isinstance(e, Misbehaviour)
+                         else None) or default_classify(e))
                 self.penalize(peer, kind)
                 if kind == "deadline":
                     self.deadline_misses[protocol] += 1
@@ -194,6 +227,7 @@ class Gate:
                             extra={"peer": peer, "reason": f"{protocol} {kind}"})
                 await _reset(stream)
             finally:
+                _on_stream.reset(token)
                 self.budget.release_protocol(peer, protocol)
 
         return guarded
@@ -221,7 +255,7 @@ class Gate:
             self.budget.refused["banned_connection"] += 1
             self._close_later(conn)
             return
-        ip = _remote_ip(conn)
+        ip = remote_ip(conn)
         if ip is None:
             return
         reason = self.budget.admit_connection(ip)
@@ -318,7 +352,8 @@ def _held(conn: INetConn) -> int:
     return sum(len(b) for b in list(buffers.values()))
 
 
-def _remote_ip(conn: INetConn) -> str | None:
+def remote_ip(conn: Any) -> str | None:
+    """The remote IP of a connection or stream (None where the transport has none)."""
     try:
         remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
     except Exception:
