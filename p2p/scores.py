@@ -3,8 +3,8 @@
 Why decay: honest peers time out and drop streams under churn (a laptop sleeps, a link
 stalls), so one miss must never add up to a ban over hours; a peer sending garbage sends
 it fast and often. Every penalty is therefore forgotten exponentially (half-life
-`half_life_s`): an honest peer missing a deadline every 10 s stays near -46 with the
-defaults below, far from the ban threshold, while 6 invalid messages in a row ban at once.
+`half_life_s`): an honest peer's occasional resets fade, while 6 invalid messages in a
+row ban at once.
 Bans last `ban_s`, doubled for each earlier ban of the same peer (capped at `ban_max_s`).
 
 Why slowness is scored apart: a peer starved of CPU or bandwidth misses deadlines often
