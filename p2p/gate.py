@@ -121,6 +121,9 @@ class Gate:
 
     def attach(self, host: Any) -> None:
         """Put the gate in front of `host`'s inbound streams and connections."""
+        from p2p import screens  # it imports `blame` from here
+
+        screens.install()  # py-libp2p handlers that swallow garbage: blamed all the same
         self._host = host
         network = host.get_network()
         network.set_stream_handler(self.admit(host._swarm_stream_handler))

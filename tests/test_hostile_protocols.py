@@ -45,11 +45,6 @@ UNJUDGED = {
     "/ipfs/ping/1.0.0": "echoes whatever comes, 32 bytes at a time",
     "/libp2p/circuit/relay/0.2.0/hop": "a node that is not public refuses it unread",
     "/libp2p/dcutr": "a directly connected peer's stream is closed unread",
-    # Known gaps: py-libp2p's handlers catch garbage and log an ERROR line, the gate never
-    # hears of it (as the relay's stop handler did). node/reach/autonat.py was being
-    # reworked beside this change (reachability); identify/push is py-libp2p's own.
-    "/libp2p/autonat/1.0.0": "KNOWN GAP: py-libp2p's handler logs and drops garbage",
-    "/ipfs/id/push/1.0.0": "KNOWN GAP: py-libp2p's handler logs and drops garbage",
 }
 LINES_PER_ATTACKER = 40  # node.log lines about one attacker, all its attacks together
 RSS_GROWTH_MB = 200  # the whole suite, node and attackers together (one process)
