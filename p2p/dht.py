@@ -45,7 +45,7 @@ from libp2p.records.utils import verify_record
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p.gate import blame
+from p2p.blame import blame
 from p2p.timing import Timings
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ Log lines about a peer carry `extra={"peer", "reason"}` so the node's log filter
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import time
 from collections import Counter
@@ -37,6 +36,8 @@ from libp2p.io.exceptions import IOException, MessageTooLarge
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
+from p2p import screens
+from p2p.blame import serving
 from p2p.budget import Budget, BudgetLimits
 from p2p.scores import Ban, PeerScores, ScoreSettings
 
@@ -66,24 +67,6 @@ class Misbehaviour(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-# The gate and peer of the stream the current task is handling (set by `Gate.guard`), so
-# code deep inside a library's handler that swallows its errors (KadDHT's) can `blame`.
-_on_stream: contextvars.ContextVar[tuple[Gate, str] | None] = contextvars.ContextVar(
-    "peer_on_stream", default=None)
-
-
-def blame(kind: str, why: str) -> bool:
-    """Score the peer whose stream this task is handling for `kind`; False (nothing done)
-    outside a guarded handler (our own outbound requests, for instance)."""
-    current = _on_stream.get()
-    if current is None:
-        return False
-    gate, peer = current
-    gate.penalize(peer, kind)
-    log.info("%s from peer %s: %s", kind, peer, why, extra={"peer": peer, "reason": kind})
-    return True
 
 
 def default_classify(e: BaseException) -> str:
@@ -121,8 +104,6 @@ class Gate:
 
     def attach(self, host: Any) -> None:
         """Put the gate in front of `host`'s inbound streams and connections."""
-        from p2p import screens  # it imports `blame` from here
-
         screens.install()  # py-libp2p handlers that swallow garbage: blamed all the same
         self._host = host
         network = host.get_network()
@@ -212,9 +193,9 @@ class Gate:
                          extra={"peer": peer, "reason": reason})
                 await _reset(stream)
                 return
-            token = _on_stream.set((self, peer))
             try:
-                with trio.move_on_after(deadline_s if deadline_s else float("inf")) as scope:
+                with serving(self.penalize, peer), \
+                        trio.move_on_after(deadline_s if deadline_s else float("inf")) as scope:
                     await handler(stream)
                 if scope.cancelled_caught:
                     raise trio.TooSlowError(f"stream outlived its {deadline_s:g} s deadline")
@@ -230,7 +211,6 @@ class Gate:
                             extra={"peer": peer, "reason": f"{protocol} {kind}"})
                 await _reset(stream)
             finally:
-                _on_stream.reset(token)
                 self.budget.release_protocol(peer, protocol)
 
         return guarded

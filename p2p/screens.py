@@ -5,7 +5,7 @@ and, on any error, log an ERROR line and close the stream: the gate (p2p/gate.py
 heard of it, so garbage cost its sender nothing but a line in our log each time (the
 hostile-protocol suite, tests/test_hostile_protocols.py, found both). The read function
 each handler calls is rebound in its module (as p2p/dht.py rebinds KadDHT's) to one that
-also parses what it read, and blames the stream's peer (`p2p.gate.blame`, a no-op outside
+also parses what it read, and blames the stream's peer (`p2p.blame.blame`, a no-op outside
 a guarded handler) for an oversized or undecodable message. The handler still does what
 it did; the gate now scores it.
 """
@@ -24,7 +24,7 @@ from libp2p.host.autonat.pb.autonat_pb2 import Message as AutonatMessage
 from libp2p.identity.identify.pb.identify_pb2 import Identify
 from libp2p.io.exceptions import MessageTooLarge
 
-from p2p.gate import blame
+from p2p.blame import blame
 
 Read = Callable[..., Awaitable[bytes]]
 
