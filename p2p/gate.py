@@ -13,7 +13,9 @@ remembered a peer that sent garbage. `Gate` puts three checks in front of the ho
   broken, deadline, ...) and lowers the peer's score (p2p/scores.py). A peer whose score
   falls below the threshold is banned: disconnected, its addresses dropped from the
   peerstore (so nothing redials it), its new connections and streams refused until the
-  ban expires.
+  ban expires. A handler that can name the misbehaviour raises `Misbehaviour(kind, ...)`;
+  code inside a library handler that swallows its errors calls `p2p.blame.blame`
+  (p2p/dht.py, p2p/screens.py).
 
 Log lines about a peer carry `extra={"peer", "reason"}` so the node's log filter
 (node/status/logs.py) can rate-limit them per peer and reason; `statistics()` has totals.
