@@ -20,6 +20,7 @@ What the wrapper adds (each item is a measured quirk of py-libp2p 0.8.1, notes/l
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -34,12 +35,17 @@ import libp2p.kad_dht.value_store as _values
 import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import MessageTooLarge
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.utils import verify_record
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p.blame import blame
 from p2p.timing import Timings
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,28 @@ STREAM_DEADLINE_S = 15.0
 
 # The DHT logs a WARNING for every cleanly finished request (EOF is read as an error).
 logging.getLogger("libp2p.kad_dht").setLevel(logging.ERROR)
+
+# The DHT whose inbound stream this task is handling (its validator screens what is read).
+_serving: contextvars.ContextVar[DHT | None] = contextvars.ContextVar("dht_serving",
+                                                                    default=None)
+_read_limited = _kad.read_varint_prefixed_bytes_limited
+
+
+async def _screened_read(stream: Any, max_length: int) -> bytes:
+    """KadDHT's inbound read (its only caller is the inbound handler), with the sender
+    blamed for what KadDHT would drop without a word to the gate."""
+    try:
+        data = await _read_limited(stream, max_length)
+    except (MessageTooLarge, ParseError) as e:
+        blame("invalid", f"DHT message refused: {e!r}")
+        raise
+    dht = _serving.get()
+    if dht is not None and (why := dht.screen(data)) is not None:
+        blame("invalid", why)
+    return data
+
+
+_kad.read_varint_prefixed_bytes_limited = _screened_read  # type: ignore[attr-defined]
 
 
 class DHT:
@@ -80,10 +108,52 @@ class DHT:
             strict_validation=True,
         )
         self._provided: set[str] = set()
+        self.junk = 0  # inbound messages screened out (scored on their sender)
+        inner = self.kad._do_handle_stream
+
+        async def serving(stream: Any) -> None:
+            token = _serving.set(self)
+            try:
+                await inner(stream)
+            finally:
+                _serving.reset(token)
+
+        self.kad._do_handle_stream = serving  # type: ignore[method-assign]
         # op -> its durations and how many ended without an answer (timeout or error):
         # the metrics service exports them (peertrain_dht_operation_seconds, ..._failures).
         self.timings: dict[str, Timings] = {}
         self.failures: dict[str, int] = {}
+
+    def screen(self, data: bytes) -> str | None:
+        """Why KadDHT will drop this inbound message (None: nothing to hold against its
+        sender). Only what is the sender's fault: an older record than ours is no lie."""
+        msg = Message()
+        try:
+            msg.ParseFromString(data)
+        except Exception:
+            why: str | None = "DHT message: not a protobuf"
+        else:
+            why = None
+            if msg.type == Message.MessageType.PUT_VALUE and msg.HasField("record"):
+                why = self._screen_record(msg)
+        if why is not None:
+            self.junk += 1
+        return why
+
+    def _screen_record(self, msg: Message) -> str | None:
+        record = msg.record
+        if not record.key or msg.key != record.key:
+            return "DHT PUT_VALUE: no key, or the record's key is not the message's"
+        if len(record.SerializeToString()) > _common.MAX_RECORD_SIZE:
+            return f"DHT PUT_VALUE: a record over {_common.MAX_RECORD_SIZE} bytes"
+        try:
+            self.kad.validator.validate(record.key.decode("utf-8"), record.value)
+        except Exception as e:
+            return f"DHT PUT_VALUE: refused by the validator: {e}"
+        if record.signature and record.author and not verify_record(
+                record.signature, record.author, record.key, record.value):
+            return "DHT PUT_VALUE: a bad signature"
+        return None
 
     @contextmanager
     def _timed(self, op: str) -> Iterator[None]:

@@ -13,7 +13,9 @@ remembered a peer that sent garbage. `Gate` puts three checks in front of the ho
   broken, deadline, ...) and lowers the peer's score (p2p/scores.py). A peer whose score
   falls below the threshold is banned: disconnected, its addresses dropped from the
   peerstore (so nothing redials it), its new connections and streams refused until the
-  ban expires.
+  ban expires. A handler that can name the misbehaviour raises `Misbehaviour(kind, ...)`;
+  code inside a library handler that swallows its errors calls `p2p.blame.blame`
+  (p2p/dht.py, p2p/screens.py).
 
 Log lines about a peer carry `extra={"peer", "reason"}` so the node's log filter
 (node/status/logs.py) can rate-limit them per peer and reason; `statistics()` has totals.
@@ -36,6 +38,8 @@ from libp2p.io.exceptions import IOException, MessageTooLarge
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 
+from p2p import screens
+from p2p.blame import serving
 from p2p.budget import Budget, BudgetLimits
 from p2p.scores import Ban, PeerScores, ScoreSettings
 
@@ -57,7 +61,19 @@ _INVALID = (DecodeError, MessageTooLarge, ParseError)
 _PEERS_OWN = frozenset({"streams_per_peer", "bytes_per_peer"})
 
 
+class Misbehaviour(Exception):
+    """Raised by a handler that refused a peer's stream for a reason it can name: the gate
+    scores `kind` (a key of p2p/scores.py's penalties) and logs the message once per the
+    log filter's window, instead of the handler logging each one itself."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 def default_classify(e: BaseException) -> str:
+    if isinstance(e, Misbehaviour):
+        return e.kind
     if isinstance(e, trio.TooSlowError):
         return "deadline"
     if isinstance(e, _INVALID):
@@ -90,6 +106,7 @@ class Gate:
 
     def attach(self, host: Any) -> None:
         """Put the gate in front of `host`'s inbound streams and connections."""
+        screens.install()  # py-libp2p handlers that swallow garbage: blamed all the same
         self._host = host
         network = host.get_network()
         network.set_stream_handler(self.admit(host._swarm_stream_handler))
@@ -179,12 +196,14 @@ class Gate:
                 await _reset(stream)
                 return
             try:
-                with trio.move_on_after(deadline_s if deadline_s else float("inf")) as scope:
+                with serving(self.penalize, peer), \
+                        trio.move_on_after(deadline_s if deadline_s else float("inf")) as scope:
                     await handler(stream)
                 if scope.cancelled_caught:
                     raise trio.TooSlowError(f"stream outlived its {deadline_s:g} s deadline")
             except Exception as e:  # one bad stream must never take down the host
-                kind = (self.classify(e) if self.classify else None) or default_classify(e)
+                kind = ((self.classify(e) if self.classify and not isinstance(e, Misbehaviour)
+                         else None) or default_classify(e))
                 self.penalize(peer, kind)
                 if kind == "deadline":
                     self.deadline_misses[protocol] += 1
@@ -221,7 +240,7 @@ class Gate:
             self.budget.refused["banned_connection"] += 1
             self._close_later(conn)
             return
-        ip = _remote_ip(conn)
+        ip = remote_ip(conn)
         if ip is None:
             return
         reason = self.budget.admit_connection(ip)
@@ -318,7 +337,8 @@ def _held(conn: INetConn) -> int:
     return sum(len(b) for b in list(buffers.values()))
 
 
-def _remote_ip(conn: INetConn) -> str | None:
+def remote_ip(conn: Any) -> str | None:
+    """The remote IP of a connection or stream (None where the transport has none)."""
     try:
         remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
     except Exception:

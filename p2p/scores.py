@@ -3,9 +3,17 @@
 Why decay: honest peers time out and drop streams under churn (a laptop sleeps, a link
 stalls), so one miss must never add up to a ban over hours; a peer sending garbage sends
 it fast and often. Every penalty is therefore forgotten exponentially (half-life
-`half_life_s`): an honest peer missing a deadline every 10 s stays near -46 with the
-defaults below, far from the ban threshold, while 6 invalid messages in a row ban at once.
+`half_life_s`): an honest peer's occasional resets fade, while 6 invalid messages in a
+row ban at once.
 Bans last `ban_s`, doubled for each earlier ban of the same peer (capped at `ban_max_s`).
+
+Why slowness is scored apart: a peer starved of CPU or bandwidth misses deadlines often
+(an honest peer on a loaded machine was scored to -22.9 by deadlines alone). A missed
+deadline is not hostility: the `slow` kinds go to a second component of the score, which
+decays like the first but never goes below `-slow_cap` (default 20, a fifth of the ban
+threshold), so slowness alone never bans; it only brings a peer that also misbehaves
+closer to its ban. Streams held on purpose are bounded by the budget, which scores its own
+refusals (`over_budget`).
 
 Pure bookkeeping: time is passed in (`now`, seconds on any monotonic clock), so tests and
 the simulator drive it without sleeping.
@@ -26,10 +34,14 @@ DEFAULT_PENALTIES: dict[str, float] = {
     "invalid": 20.0,
     "invalid_gossip": 20.0,
     "over_budget": 5.0,
-    "deadline": 5.0,
+    "deadline": 2.0,
     "broken": 1.0,
     "error": 1.0,
+    "unwanted": 5.0,
 }
+
+#: Kinds that say a peer is slow, not hostile: scored in the capped component.
+SLOW_KINDS = frozenset({"deadline"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,8 @@ class ScoreSettings:
     ban_max_s: float = 86_400.0
     # Peers remembered at most; the ones with the least to remember go first.
     max_peers: int = 4096
+    # The slow kinds' part of a score never goes below -slow_cap (above the threshold).
+    slow_cap: float = 20.0
     penalties: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PENALTIES))
 
 
@@ -54,8 +68,9 @@ class Ban:
 
 @dataclass
 class _Record:
-    score: float = 0.0
-    at: float = 0.0  # when `score` was last brought up to date
+    score: float = 0.0  # the hostile part (every kind not in SLOW_KINDS)
+    slow: float = 0.0  # the slow part, in [-slow_cap, 0]
+    at: float = 0.0  # when both were last brought up to date
     bans: int = 0
     ban: Ban | None = None
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -71,9 +86,11 @@ class PeerScores:
 
     def _decayed(self, rec: _Record, now: float) -> float:
         if now > rec.at:
-            rec.score *= math.pow(0.5, (now - rec.at) / self.settings.half_life_s)
+            factor = math.pow(0.5, (now - rec.at) / self.settings.half_life_s)
+            rec.score *= factor
+            rec.slow *= factor
             rec.at = now
-        return rec.score
+        return rec.score + rec.slow
 
     def penalize(self, peer: str, kind: str, now: float) -> Ban | None:
         """Count one misbehaviour; returns the new Ban if this one crossed the threshold."""
@@ -85,12 +102,16 @@ class PeerScores:
         rec.by_kind[kind] = rec.by_kind.get(kind, 0) + 1
         if self.banned(peer, now) is not None:
             return None  # already out; what it still sends is refused, not scored twice
-        score = self._decayed(rec, now) - s.penalties.get(kind, s.penalties.get("error", 1.0))
-        rec.score = score
-        if score > s.ban_threshold:
+        self._decayed(rec, now)
+        penalty = s.penalties.get(kind, s.penalties.get("error", 1.0))
+        if kind in SLOW_KINDS:
+            rec.slow = max(-s.slow_cap, rec.slow - penalty)
+        else:
+            rec.score -= penalty
+        if rec.score + rec.slow > s.ban_threshold:
             return None
         rec.bans += 1
-        rec.score = 0.0  # a fresh start when the ban ends; the doubling remembers
+        rec.score = rec.slow = 0.0  # a fresh start when the ban ends; the doubling remembers
         duration = min(s.ban_max_s, s.ban_s * 2 ** (rec.bans - 1))
         rec.ban = Ban(until=now + duration, reason=kind, count=rec.bans)
         self.bans_total += 1

@@ -4,9 +4,14 @@ banned, disconnected and refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
+import varint
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
+from libp2p.records.validator import Validator
 
 import p2p.host
 from p2p.budget import BudgetLimits
@@ -75,6 +80,60 @@ async def test_a_half_sent_dht_message_is_cut_at_the_deadline(monkeypatch):
             await await_until(lambda: node.gate.deadline_misses[str(DHT_PROTOCOL)] >= 1,
                               30, "the DHT stream's deadline")
             assert node.gate.misbehaviour["deadline"] == 1
+            nursery.cancel_scope.cancel()
+
+
+class _OkOnly(Validator):
+    """A namespace whose only valid value is b"ok"."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        if value != b"ok":
+            raise ValueError("not ok")
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return 0
+
+
+def _put(key: bytes, value: bytes, **record) -> bytes:
+    msg = Message(type=Message.MessageType.PUT_VALUE, key=key,
+                  record=Record(key=key, value=value, **record))
+    data = msg.SerializeToString()
+    return varint.encode(len(data)) + data
+
+
+async def test_dht_junk_is_scored_on_its_sender():
+    """KadDHT drops an oversized message, a record its validator refuses and a badly
+    signed one, and logs it, but never told the gate: 500 oversized PUT_VALUEs and 20
+    badly signed records cost their sender nothing. Now each is blamed on it (invalid)
+    and it is banned; a valid record costs nothing."""
+    node = Substrate(create_new_key_pair(), [LOOPBACK],
+                     dht_protocol_validators={"t": _OkOnly()})
+    other = Substrate(create_new_key_pair(), [LOOPBACK])
+    hostile = other.peer_id.to_base58()
+    junk = [_put(b"/t/a", b"x" * 20_000),  # refused by the validator
+            _put(b"/t/a", b"ok", signature=b"s" * 64, author=b"a" * 38),  # bad signature
+            _put(b"/nobody/a", b"ok"),  # a namespace nobody registered
+            bytes([0xFF, 0xFF, 0xFF, 0xFF, 0x7F]) + b"x" * 64]  # announces 32 GiB
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            await nursery.start(other.serve)
+            peer = await other.connect(node.addrs()[0])
+            stream = await other.open_stream(peer, str(DHT_PROTOCOL))
+            await stream.write(_put(b"/t/a", b"ok"))  # valid: stored, nothing scored
+            await stream.read(4096)
+            assert node.gate.misbehaviour["invalid"] == 0
+            sent = 0
+            while node.gate.banned(hostile) is None and sent < 40:
+                stream = await _open(other, peer, str(DHT_PROTOCOL))
+                if stream is not None:
+                    with trio.move_on_after(5), contextlib.suppress(Exception):
+                        await stream.write(junk[sent % len(junk)])
+                        await stream.read(4096)  # reset by KadDHT
+                    sent += 1
+            assert node.gate.banned(hostile) is not None and sent <= 6, sent
+            assert node.dht is not None and node.dht.junk >= 3
+            assert node.gate.statistics()["bans"][hostile]["reason"] == "invalid"
             nursery.cancel_scope.cancel()
 
 

@@ -79,16 +79,53 @@ async def test_http_keeps_a_connection_alive_for_several_requests():
 
 
 async def test_http_refuses_connections_beyond_its_limit():
+    """503 when every slot is serving a request (a slow page); idle ones make room."""
+    release = trio.Event()
+
+    async def slow() -> Response:
+        await release.wait()
+        return Response(body=b"late\n")
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            server, port = await _server(nursery, max_connections=2)
+            server = HttpServer({"/slow": slow}, max_connections=2)
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            await nursery.start(server.serve, listeners)
+            port = listeners[0].socket.getsockname()[1]
             held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
-            await trio.testing.wait_all_tasks_blocked()
-            while server.stats.open_connections < 2:  # the two were accepted
-                await trio.sleep(0.01)
-            reply = await _exchange(port, b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert reply.startswith(b"HTTP/1.1 503")
             for s in held:
+                await s.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            while server.stats.open_connections < 2 or server._waiting:  # both being served
+                await trio.sleep(0.01)
+            reply = await _exchange(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert reply.startswith(b"HTTP/1.1 503")
+            release.set()
+            for s in held:
+                assert (await s.receive_some(4096)).startswith(b"HTTP/1.1 200")
+                await s.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_slowloris_connections_cannot_starve_an_honest_client():
+    """100 connections sending their head a byte at a time held every slot and the page
+    answered 503 to everyone. The longest-waiting head is closed to make room (from the
+    same IP first: here every client is 127.0.0.1), so an honest GET is answered."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, port = await _server(nursery)
+            loris = []
+            for _ in range(100):
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+                await s.send_all(b"GET /ok HTTP/1.1\r\nX-a: ")  # and never the rest
+                loris.append(s)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(3):
+                reply = await _exchange(port, b"GET /ok HTTP/1.1\r\nHost: x\r\n"
+                                              b"Connection: close\r\n\r\n")
+                assert reply.startswith(b"HTTP/1.1 200"), reply[:60]
+            assert server.stats.open_connections <= server.max_per_ip
+            assert server.stats.evicted >= 90 and "503" not in server.stats.responses
+            for s in loris:
                 await s.aclose()
             nursery.cancel_scope.cancel()
 

@@ -190,8 +190,9 @@ async def test_renewal_fallback_dial_and_garbage_or_bogus_addresses(relay_logs):
         await stream.write(b"\xff" * 64)
         reply = await read_delimited_msg(stream, HopMessage)
         assert reply.status == StatusCode.MALFORMED_MESSAGE
-        assert "relay: a bad hop request from" in relay_logs.text
-        assert r.handler_errors == 0 and rs.statistics()["serving"]["refused"]["malformed"] == 1
+        # ... and the sender scored for it by the gate (one stream ended, not the host)
+        await await_until(lambda: r.gate.misbehaviour["invalid"] == 1, 10, "the score")
+        assert r.handler_errors == 1 and rs.statistics()["serving"]["refused"]["malformed"] == 1
         # bogus relayed addresses are refused with a reason, without a dial
         for bogus, why in ((f"/ip4/127.0.0.1/tcp/1/p2p-circuit/p2p/{a.peer_id}",
                             "not a relayed address"),
@@ -199,4 +200,69 @@ async def test_renewal_fallback_dial_and_garbage_or_bogus_addresses(relay_logs):
                             "bad relayed address.*Invalid CID")):
             with pytest.raises(DialError, match=why):
                 await d.connect(bogus, timeout=10)
+        nursery.cancel_scope.cancel()
+
+
+async def test_reservations_from_one_ip_are_capped():
+    """50 identities on one host took all 16 slots of a relay: a relay now gives one IP
+    `reservations_per_ip` of them, and says why to the rest."""
+    (r, rs) = _node("public", RelayLimits(reservations=16, reservations_per_ip=2))
+    clients = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        await nursery.start(rs.run, SimpleNamespace(substrate=r))
+        outcomes = []
+        for c in clients:
+            await nursery.start(c.serve)
+            await c.connect(r.addrs()[0])
+            try:
+                await circuit.reserve(c.host, r.peer_id)
+                outcomes.append("reserved")
+            except circuit.CircuitError as e:
+                outcomes.append(str(e))
+        assert outcomes[:2] == ["reserved", "reserved"]
+        assert all("RESOURCE_LIMIT_EXCEEDED" in o for o in outcomes[2:]), outcomes
+        assert rs.statistics()["serving"]["refused"]["reservations_per_ip"] == 2
+        # a holder renews its own slot: the cap counts the others on its IP
+        await circuit.reserve(clients[0].host, r.peer_id)
+        nursery.cancel_scope.cancel()
+
+
+async def test_garbage_on_the_stop_protocol_is_scored_banned_and_its_log_bounded(caplog):
+    """py-libp2p's stop handler caught every error and logged one ERROR line each, never
+    scored: 200 garbage streams gave 211 lines. Now the gate scores each (invalid), bans
+    the sender, and the log filter's per-peer limits apply (records carry the peer)."""
+    caplog.set_level(logging.INFO)
+    (n, ns) = _node("private")
+    attacker = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(n.serve)
+        await nursery.start(ns.run, SimpleNamespace(substrate=n))
+        await nursery.start(attacker.serve)
+        peer = await attacker.connect(n.addrs()[0])
+        bad = attacker.peer_id.to_base58()
+        sent = 0
+        for _ in range(200):
+            if n.gate.banned(bad):
+                break
+            try:
+                with trio.fail_after(10):
+                    stream = await attacker.open_stream(peer, circuit.STOP_PROTOCOL)
+                    await stream.write(b"\x05junk!" * 8)
+                    await stream.read(1024)  # the refusal, or the reset
+            except Exception:
+                pass
+            sent += 1
+        await await_until(lambda: n.gate.banned(bad), 30, "the ban")
+        assert sent <= 10, sent  # 20 points per garbage stream: banned at its fifth
+        assert n.gate.misbehaviour["invalid"] >= 5
+        stop_errors = [r for r in caplog.records if r.levelno >= logging.ERROR
+                       and r.name.startswith("libp2p.relay")]
+        assert not stop_errors, [r.getMessage() for r in stop_errors]
+        # (the ban's disconnect makes each side's muxer log a line or two)
+        assert sum(r.levelno >= logging.ERROR for r in caplog.records) <= 6
+        about = [r for r in caplog.records if bad in r.getMessage()
+                 and r.name.startswith(("p2p", "node"))]  # ours, not py-libp2p's muxer
+        assert all(getattr(r, "peer", None) for r in about)  # the flood filter can see them
+        assert len(about) <= 2 * sent + 2
         nursery.cancel_scope.cancel()

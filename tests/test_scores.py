@@ -76,3 +76,22 @@ def test_memory_is_bounded_and_bans_are_kept():
         scores.penalize(f"peer{i}", "broken", float(i))
     assert len(scores._peers) <= 10
     assert scores.banned(HOSTILE, 100.0) is not None
+
+
+def test_a_peer_starved_of_cpu_is_never_banned_for_missing_deadlines():
+    """Slowness is not hostility: a peer missing a deadline every second for a day (a
+    loaded machine: on main it was banned within seconds, and an honest one was scored to
+    -22.9) stays within the slow cap, and one invalid message still costs it in full."""
+    s = ScoreSettings()
+    scores, now = PeerScores(s), 0.0
+    while now < 86_400:
+        now += 1.0
+        assert scores.penalize(HONEST, "deadline", now) is None, f"banned at {now:.0f} s"
+        assert scores.score(HONEST, now) >= -s.slow_cap
+    assert scores.score(HONEST, now) == pytest.approx(-s.slow_cap, abs=1)
+    assert scores.score(HONEST, now + 600) > -1  # and it decays
+    # the cap is on slowness only: garbage from a slow peer bans it as fast as any other
+    sent = 0
+    while scores.penalize(HONEST, "invalid", now) is None:
+        sent += 1
+    assert sent <= 5

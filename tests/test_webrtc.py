@@ -186,7 +186,9 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
     subs = sorted((Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)),
                   key=lambda s: s.peer_id.to_base58())
     low, target, high = subs  # `low` may offer to `target`, `high` may not
-    rtc = WebRtcService(lambda: "private")
+    # answer_direct: these peers are directly connected (offers over a direct connection
+    # are refused and scored: the next test)
+    rtc = WebRtcService(lambda: "private", answer_direct=True)
     async with trio.open_nursery() as nursery:
         for sub in subs:
             await nursery.start(sub.serve)
@@ -231,3 +233,35 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
         assert session.up.is_set()
         nursery.cancel_scope.cancel()
     gather_only(None)
+
+
+async def test_offers_over_a_direct_connection_are_refused_scored_and_start_no_session():
+    """20 offers from directly connected peers made 17 aiortc sessions (+51 MB, 5 threads):
+    a direct path needs no WebRTC. Each is refused before aiortc is loaded and scored
+    (`unwanted`); a peer that keeps offering is banned."""
+    subs = sorted((Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)),
+                  key=lambda s: s.peer_id.to_base58())
+    low, target = subs
+    rtc = WebRtcService(lambda: "private")
+    async with trio.open_nursery() as nursery:
+        for sub in subs:
+            await nursery.start(sub.serve)
+        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        await low.connect(target.addrs()[0])
+        hostile = low.peer_id.to_base58()
+        replies = []
+        for i in range(40):
+            if target.gate.banned(hostile):
+                break
+            try:
+                with trio.fail_after(10):
+                    stream = await low.open_stream(target.peer_id, sig.PROTOCOL_ID)
+                    await stream.write(sig.encode_offer(i, "v=0\r\nm=application 9 x\r\n"))
+                    replies.append(await stream.read(4096))
+            except Exception:
+                pass
+        assert b"we are directly connected" in replies[0]
+        assert target.gate.banned(hostile) is not None and len(replies) <= 24
+        assert not rtc.sessions and rtc.bridge is None  # aiortc never even started
+        assert target.gate.misbehaviour["unwanted"] >= 19
+        nursery.cancel_scope.cancel()

@@ -7,9 +7,17 @@ follows (STYLE.md); this module is its thin trio pump, like h11's own trio examp
 
 Bounds, each a constructor argument: a request head of at most `max_head` bytes (h11
 refuses more: 431), no request body (a GET has none: 413), `max_connections` served at
-once (more are answered 503 and closed), `timeout_s` per request, at most
-`max_requests` per connection. Bad requests get 400, unknown paths 404, other methods 405;
-a handler that raises gets 500 and the server lives on.
+once and `max_per_ip` from one address, `head_timeout_s` to send a request head,
+`timeout_s` per request, at most `max_requests` per connection. Bad requests get 400,
+unknown paths 404, other methods 405; a handler that raises gets 500 and the server lives
+on.
+
+Held connections cannot starve others: 100 slowloris connections (a head sent a byte at a
+time, or nothing) held all 32 slots and the page answered 503 to everyone. A connection
+that is only waiting for its request head (new, or idle between keep-alive requests) is
+the one to give up: when the server or the client's IP is full, the longest-waiting such
+connection (of that IP, when the IP is the full one) is closed to make room, and a new
+connection is answered 503 only when every slot is busy with a request it is serving.
 """
 
 from __future__ import annotations
@@ -44,20 +52,33 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 class HttpStats:
     responses: Counter[str] = field(default_factory=Counter)  # status code -> count
     open_connections: int = 0
+    evicted: int = 0  # connections closed while waiting for a head, to make room
+
+
+@dataclass(eq=False)
+class _Conn:
+    ip: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    since: float = 0.0  # when it began waiting for its next request head
+    counted: bool = True  # still counted in open_connections and by IP
 
 
 class HttpServer:
     """GET routes (exact paths; a query string is ignored) served on trio listeners."""
 
     def __init__(self, routes: dict[str, Handler], *, max_head: int = 8192,
-                 max_connections: int = 32, timeout_s: float = 10.0,
-                 max_requests: int = 100) -> None:
+                 max_connections: int = 32, max_per_ip: int = 8, timeout_s: float = 10.0,
+                 head_timeout_s: float = 5.0, max_requests: int = 100) -> None:
         self.routes = routes
         self.max_head = max_head
         self.max_connections = max_connections
+        self.max_per_ip = max_per_ip
         self.timeout_s = timeout_s
+        self.head_timeout_s = head_timeout_s
         self.max_requests = max_requests
         self.stats = HttpStats()
+        self._by_ip: Counter[str] = Counter()
+        self._waiting: set[_Conn] = set()  # connections waiting for a request head
 
     async def serve(self, listeners: list[trio.SocketListener], *,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -65,16 +86,44 @@ class HttpServer:
 
     async def handle(self, stream: trio.abc.Stream) -> None:
         async with stream:
-            if self.stats.open_connections >= self.max_connections:
+            conn = _Conn(_peer_ip(stream))
+            if not self._make_room(conn.ip):
                 await self._refuse(stream)
                 return
             self.stats.open_connections += 1
+            self._by_ip[conn.ip] += 1
             try:
-                await self._serve_connection(stream)
+                with conn.scope:
+                    await self._serve_connection(stream, conn)
             except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
                 pass  # the client went away or was too slow: nothing to answer
             finally:
-                self.stats.open_connections -= 1
+                self._waiting.discard(conn)
+                self._uncount(conn)
+
+    def _make_room(self, ip: str) -> bool:
+        """Room for one more connection from `ip`: there is, or the longest-waiting idle
+        connection (of `ip` if that IP is what is full) is closed for it."""
+        ip_full = self._by_ip[ip] >= self.max_per_ip
+        if not ip_full and self.stats.open_connections < self.max_connections:
+            return True
+        idle = [c for c in self._waiting if not ip_full or c.ip == ip]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.since)
+        self._waiting.discard(victim)
+        self._uncount(victim)  # now: its task may not run before the next arrival
+        victim.scope.cancel()
+        self.stats.evicted += 1
+        return True
+
+    def _uncount(self, conn: _Conn) -> None:
+        if conn.counted:
+            conn.counted = False
+            self.stats.open_connections -= 1
+            self._by_ip[conn.ip] -= 1
+            if self._by_ip[conn.ip] <= 0:
+                del self._by_ip[conn.ip]
 
     async def _refuse(self, stream: trio.abc.Stream) -> None:
         """Answer 503 without reading the request (h11 answers only what it has read)."""
@@ -86,13 +135,18 @@ class HttpServer:
                                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         await self._linger(stream)
 
-    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
+    async def _serve_connection(self, stream: trio.abc.Stream, me: _Conn) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
         for _ in range(self.max_requests):
             with trio.fail_after(self.timeout_s):
                 try:
-                    request = await self._next_request(stream, conn)
+                    me.since = trio.current_time()
+                    self._waiting.add(me)
+                    with trio.fail_after(self.head_timeout_s):
+                        request = await self._next_request(stream, conn)
+                    self._waiting.discard(me)
                 except h11.RemoteProtocolError as e:
+                    self._waiting.discard(me)
                     code = e.error_status_hint
                     if code == 400 and "exceeds limit" in str(e):
                         code = 431
@@ -180,3 +234,10 @@ class HttpServer:
             data += conn.send(h11.Data(data=response.body))
         data += conn.send(h11.EndOfMessage())
         await stream.send_all(data)
+
+
+def _peer_ip(stream: trio.abc.Stream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])  # type: ignore[attr-defined]
+    except Exception:
+        return "?"

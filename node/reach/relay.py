@@ -32,9 +32,10 @@ import multiaddr
 import trio
 from libp2p.abc import INetStream
 from libp2p.connection_types import ConnectionType
+from libp2p.io.exceptions import IncompleteReadError
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, StopMessage
 from libp2p.relay.circuit_v2.protocol import (
     STREAM_READ_TIMEOUT,
     CircuitV2Protocol,
@@ -44,6 +45,8 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits as LibLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg
 from libp2p.tools.constants import MAX_READ_LEN
+
+from p2p.gate import Misbehaviour, remote_ip
 
 log = logging.getLogger("node.relay")
 
@@ -55,6 +58,9 @@ class RelayLimits:
     libp2p connection (gossip, heartbeats, averaging) between two NATed trainers."""
 
     reservations: int = 16  # peers holding a slot at once
+    # slots held by peers on one IP: one host with 50 identities took all 16 (go-libp2p
+    # caps reservations per IP too)
+    reservations_per_ip: int = 4
     reservation_ttl_s: int = 3600  # a reservation lasts this long unless renewed
     circuits: int = 32  # open circuits, all peers together
     circuits_per_peer: int = 4  # open circuits to one reserved peer
@@ -138,6 +144,33 @@ class BoundedRelay(CircuitV2Protocol):
             if getattr(conn, "muxed_conn", None) is muxed:
                 conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
 
+    async def _handle_stop_stream(self, stream: INetStream) -> None:
+        """The stop side's request, read under its deadline. py-libp2p's handler caught
+        every error and logged one ERROR line each (200 garbage streams: 211 lines), so
+        the gate never scored the sender; here a refusal is answered, then raised for the
+        gate to score and log (rate-limited per peer)."""
+        try:
+            with trio.fail_after(STREAM_READ_TIMEOUT):
+                msg = await read_delimited_msg(stream, StopMessage)
+        except trio.TooSlowError:
+            await self._refuse_stop(stream, StatusCode.CONNECTION_FAILED, "read timeout")
+            raise
+        except Exception as e:
+            await self._refuse_stop(stream, StatusCode.MALFORMED_MESSAGE, "unreadable")
+            if isinstance(e, (IncompleteReadError, trio.BrokenResourceError)):
+                raise  # the relay went away mid-message: churn (`broken`)
+            raise Misbehaviour("invalid", f"relay stop: unreadable request: {e!r}") from None
+        if msg.type != StopMessage.CONNECT:
+            await self._refuse_stop(stream, StatusCode.UNEXPECTED_MESSAGE, "CONNECT expected")
+            raise Misbehaviour("invalid", f"relay stop: message type {msg.type}, not CONNECT")
+        await self._send_stop_status(stream, StatusCode.OK, "Connection established")
+        await self.handle_incoming_connection(stream, msg.peer.id)
+
+    async def _refuse_stop(self, stream: INetStream, code: StatusCode, why: str) -> None:
+        with trio.move_on_after(1.0), contextlib.suppress(Exception):
+            await self._send_stop_status(stream, code, why)
+        await _close(stream)
+
     # -- refusals -------------------------------------------------------------------------
 
     def _refuse(self, what: str, peer: ID, reason: str, key: str) -> None:
@@ -164,10 +197,11 @@ class BoundedRelay(CircuitV2Protocol):
                 msg = await read_delimited_msg(stream, HopMessage)
         except Exception as e:
             self.refused["malformed"] += 1
-            log.info("relay: a bad hop request from %s: %r", peer.to_base58(), e,
-                     extra={"peer": peer.to_base58(), "reason": "malformed"})
             await self._refuse_on(stream, StatusCode.MALFORMED_MESSAGE, "unreadable request")
-            return
+            if isinstance(e, (IncompleteReadError, trio.BrokenResourceError)):
+                raise  # ended mid-message: churn (`broken`)
+            # garbage: the gate scores it and logs it (rate-limited per peer)
+            raise Misbehaviour("invalid", f"relay hop: unreadable request: {e!r}") from None
         if msg.type == HopMessage.RESERVE:
             await self._handle_reserve(stream, msg)
             await _close(stream)
@@ -203,6 +237,16 @@ class BoundedRelay(CircuitV2Protocol):
         msg.ClearField("peer")  # a slot is for the peer on this connection, never another
         rm = self.resource_manager
         self._release_disconnected()
+        ip = remote_ip(stream)
+        same_ip = sum(1 for p in rm._reservations
+                      if p != peer and ip is not None and ip in self._peer_ips(p))
+        if not rm.has_reservation(peer) and same_ip >= self.bounds.reservations_per_ip:
+            self._refuse("reservation", peer, f"{same_ip} reservations held from {ip} "
+                         f"(limit reservations_per_ip={self.bounds.reservations_per_ip})",
+                         "reservations_per_ip")
+            await self._refuse_on(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED,
+                                  "too many reservations from your address")
+            return
         if not rm.has_reservation(peer) and not rm.can_accept_reservation(peer):
             n = len(self.reservations())
             self._refuse("reservation", peer, f"{n} of {self.bounds.reservations} "
@@ -212,6 +256,10 @@ class BoundedRelay(CircuitV2Protocol):
             log.info("relay: reserved a slot for %s (%d of %d in use)", peer.to_base58(),
                      len(self.reservations()) + 1, self.bounds.reservations)
         await super()._handle_reserve(stream, msg)
+
+    def _peer_ips(self, peer: ID) -> set[str]:
+        return {ip for c in self.host.get_network().get_connections(peer)
+                if (ip := remote_ip(c)) is not None}
 
     async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
         src = stream.muxed_conn.peer_id

@@ -37,6 +37,7 @@ from node.webrtc import PATH_WEBRTC, SessionError
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.channel import DataChannelStream
 from node.webrtc.stun import StunResponder, find_stun
+from p2p.gate import Misbehaviour
 from p2p.host import Substrate
 from protocols import webrtc_signal as sig
 from protocols.errors import RemoteProtocolError
@@ -63,9 +64,13 @@ class WebRtcService:
     protocols = (sig.PROTOCOL_ID,)
 
     def __init__(self, verdict: Callable[[], str], *, offer: bool = True,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 answer_direct: bool = False) -> None:
         self.verdict = verdict
         self.offer = offer  # False: answer offers only (tests)
+        # True: answer offers from directly connected peers too (tests of the SDP on
+        # loopback); a node never does: a direct path needs no session
+        self.answer_direct = answer_direct
         self.connect_timeout_s = connect_timeout_s
         self.stun = StunResponder(lambda: verdict() == "public")
         self.sessions: dict[str, RtcSession] = {}
@@ -312,6 +317,17 @@ class WebRtcService:
             if not peer < self.me:
                 await self._refuse(stream, env, "refused", "the peer with the smaller id offers")
                 return
+            if not self.answer_direct and self._sub is not None and \
+                    self._sub.peer_paths().get(peer) == "direct":
+                # An aiortc session costs ~3 MB and threads: 20 offers from directly
+                # connected peers made 17. We only offer over relayed paths; an offer
+                # over a direct one is refused and scored (a punch that just succeeded
+                # makes an honest one now and then: 5 points, forgotten in minutes).
+                await self._refuse(stream, env, "direct", "we are directly connected",
+                                   quiet=True)
+                self.refused += 1
+                raise Misbehaviour("unwanted", "webrtc-signal: an offer over a direct "
+                                   "connection (no session is needed)")
             if peer not in self.sessions and len(self.sessions) >= MAX_SESSIONS:
                 await self._refuse(stream, env, "busy", f"{MAX_SESSIONS} sessions open")
                 return
