@@ -37,6 +37,7 @@ SERVICE_TYPE = "_peertrain._udp.local."
 MAX_FOUND = 64
 MAX_ADDRS = 8
 RESOLVE_TIMEOUT_MS = 2000
+CLOSE_S = 5.0
 
 
 def interfaces_for(listen: list[str]) -> list[str] | None:
@@ -118,9 +119,10 @@ class MdnsService:
                     if name.split(".")[0] != self.peer_id and len(self.found) < MAX_FOUND:
                         nursery.start_soon(self._resolve, name)
         finally:
-            with trio.CancelScope(shield=True):
+            # Says goodbye (peers drop us); bounded: a stop must not wait on zeroconf's loop.
+            with trio.move_on_after(CLOSE_S, shield=True):
                 browser.cancel()
-                await trio.to_thread.run_sync(zc.close)  # says goodbye: peers drop us
+                await trio.to_thread.run_sync(zc.close, abandon_on_cancel=True)
 
     async def _advertise(self, ctx: Any) -> None:
         from zeroconf import ServiceInfo
