@@ -26,7 +26,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from node.errors import MetricsPortError
@@ -69,6 +69,8 @@ class MetricsService:
                                   "/api/status": self._api_status})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatusCollector(self.status, self._extra))
+        # process_* (CPU seconds, RSS, open fds, start time): Prometheus's standard names
+        ProcessCollector(registry=self.registry)
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
