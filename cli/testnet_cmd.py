@@ -15,6 +15,7 @@ import typer
 
 from cli import checks
 from cli.common import Json, err, fail, out, print_json, redrawn
+from cli.logs_cmd import ProgressFold, last_lines
 from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
 from testnet import churn, launcher, nat, netns, swarm
@@ -378,6 +379,9 @@ def logs(
     as_json: Annotated[bool, typer.Option(
         "--json", help="JSON lines: each node.log record with a `node` field added; an "
         "error as one JSON object on stderr.")] = False,
+    progress: Annotated[bool, typer.Option(
+        "--progress", help="Every progress record (default: one a minute per node).")]
+    = False,
 ) -> None:
     """Print the last log lines of one node, or of all of them."""
     if lines < 1:
@@ -389,7 +393,7 @@ def logs(
     for p in procs:
         path = Path(p.state_dir) / "node.log"
         try:
-            raw = path.read_text(errors="replace").splitlines()[-lines:]
+            raw = last_lines(path, lines, None if progress else ProgressFold())[0]
         except OSError:  # not started far enough to log: its terminal output
             raw = None
         if as_json:
