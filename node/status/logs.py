@@ -19,7 +19,7 @@ import logging.handlers
 import re
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,31 @@ def third_party_key(record: logging.LogRecord) -> tuple[str, str]:
 FLOOD = PeerFlood()
 
 
+class RecentProblems(logging.Handler):
+    """The last `capacity` WARNING and ERROR records, for the status page's problems panel
+    (a person at the page saw no error unless they read the log). After the flood filter:
+    a flood is its burst and its summary here too."""
+
+    def __init__(self, capacity: int = 20) -> None:
+        super().__init__(logging.WARNING)
+        self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # a record whose arguments do not format: its template
+            msg = str(record.msg)
+        self.records.append({"ts": round(record.created, 3), "level": record.levelname.lower(),
+                             "logger": record.name, "msg": msg[:500]})
+
+    def recent(self) -> list[dict[str, Any]]:
+        return list(self.records)
+
+
+#: The process's recent problems (installed by setup_logging; read by the status page).
+RECENT = RecentProblems()
+
+
 THIRD_PARTY = ("libp2p", "multiaddr")  # loggers whose records go to node.log only
 # py-libp2p's ERRORs that are routine, kept out of node.log: a connection that ends before
 # its muxer is chosen (every AutoNAT dial-back ends so: Substrate.probe closes once the
@@ -178,6 +203,8 @@ def setup_logging(state_dir: Path | None, level: str = "info", *, stderr: bool =
                                     and record.msg in ROUTINE_ERRORS)))
         file.addFilter(FLOOD)
         root.addHandler(file)
+    RECENT.filters = [FLOOD, lambda record: not record.name.startswith(THIRD_PARTY)]
+    root.addHandler(RECENT)
     # py-libp2p logs every hiccup of every peer at WARNING, and at ERROR what is routine in
     # a swarm (a simultaneous dial's muxer upgrade, a peer without one of our protocols).
     # Its logger has no handler and does not propagate, so Python's last-resort handler
