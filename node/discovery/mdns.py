@@ -14,8 +14,8 @@ zeroconf runs its own thread (an asyncio loop): browse callbacks arrive there an
 handed to trio through a bounded channel; resolving a name (a blocking call) runs in a
 trio worker thread. Bounds: at most MAX_FOUND peers kept, MAX_ADDRS addresses each.
 
-A node of a run also says which (TXT `run=<run-id>`), and a joiner takes only peers of its
-own run or of none (a bootstrap, which serves every run it holds): a node of another run
+A node of a run also says which (TXT `run=<run-id>`; a bootstrap, the runs it serves),
+and a joiner takes only peers of its own run or of none named: a node of another run
 on the same LAN or machine (two testnets) answers first as often as not, and a joiner
 that entered through it found no manifest and exited "check the run-id". Each call of
 `wait_for_peers` hands out the peers found since the last one, so a joiner whose first
@@ -37,6 +37,7 @@ SERVICE_TYPE = "_peertrain._udp.local."
 MAX_FOUND = 64
 MAX_ADDRS = 8
 RESOLVE_TIMEOUT_MS = 2000
+MAX_RUNS = 4  # run-ids advertised (a bootstrap may serve several)
 CLOSE_S = 5.0
 
 
@@ -77,7 +78,7 @@ class MdnsService:
         self.peer_id = peer_id
         self.interfaces = interfaces_for(listen)
         self.found: dict[str, list[str]] = {}
-        self.runs: dict[str, str | None] = {}  # peer -> the run it advertises (None: any)
+        self.runs: dict[str, set[str]] = {}  # peer -> the runs it advertises (none: any)
         self.run_id: str | None = None  # ours, from the context: advertised and looked for
         self.handed: set[str] = set()  # peers wait_for_peers has returned
         self.error: str | None = None
@@ -134,8 +135,10 @@ class MdnsService:
             return
         properties = {("dnsaddr" if i == 0 else f"dnsaddr{i + 1}"): a
                       for i, a in enumerate(addrs)}
-        if self.run_id is not None:
-            properties["run"] = self.run_id
+        # ours, or (a bootstrap) those it serves; TXT entries are short: at most MAX_RUNS
+        held = [self.run_id] if self.run_id is not None else _held_runs(ctx)
+        for i, run in enumerate(held[:MAX_RUNS]):
+            properties["run" if i == 0 else f"run{i + 1}"] = run
         info = ServiceInfo(
             SERVICE_TYPE, f"{self.peer_id}.{SERVICE_TYPE}", port=int(addrs[0].split("/")[4]),
             properties=properties,
@@ -157,7 +160,8 @@ class MdnsService:
         if info is None:
             return
         addrs = []
-        run = (info.properties or {}).get(b"run")
+        runs = {v.decode(errors="replace")[:64] for k, v in (info.properties or {}).items()
+                if isinstance(k, bytes) and k.startswith(b"run") and v}
         for key, value in (info.properties or {}).items():
             if isinstance(key, bytes) and key.startswith(b"dnsaddr") and value:
                 try:
@@ -169,17 +173,18 @@ class MdnsService:
         if addrs and peer != self.peer_id:
             new = peer not in self.found
             self.found[peer] = addrs
-            self.runs[peer] = run.decode(errors="replace")[:64] if run else None
+            self.runs[peer] = set(sorted(runs)[:MAX_RUNS])
             if new:
                 log.info("found %s on mDNS at %s%s", peer, " ".join(addrs),
-                         "" if self._ours(peer) else f" (run {self.runs[peer]}: not ours)")
+                         "" if self._ours(peer) else
+                         f" (runs {' '.join(sorted(self.runs[peer]))}: not ours)")
             self._changed.set()
             self._changed = trio.Event()
 
     def _ours(self, peer: str) -> bool:
         """A peer a joiner of our run may enter through: of our run, or of none named."""
-        run = self.runs.get(peer)
-        return run is None or self.run_id is None or run == self.run_id
+        runs = self.runs.get(peer)
+        return not runs or self.run_id is None or self.run_id in runs
 
     def _fresh(self) -> list[str]:
         return [p for p in self.found if p not in self.handed and self._ours(p)]
@@ -199,6 +204,14 @@ class MdnsService:
                 "found": sorted(self.found),
                 "other_runs": sorted(p for p in self.found if not self._ours(p)),
                 "error": self.error}
+
+
+def _held_runs(ctx: Any) -> list[str]:
+    runs = getattr(ctx, "runs", None)
+    try:
+        return sorted(runs.run_ids()) if runs is not None else []
+    except OSError:
+        return []
 
 
 def _offer(send: trio.MemorySendChannel[str], name: str) -> None:
