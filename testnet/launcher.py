@@ -555,7 +555,10 @@ def stop_churn(directory: Path, timeout: float = 10.0) -> bool:
 def down(directory: Path, timeout: float = 10.0) -> int:
     """Stop every process of the testnet; returns how many were running (nodes, bootstrap).
 
-    A churn driver is stopped first, so that it restarts nothing while the nodes stop."""
+    A churn driver is stopped first, so that it restarts nothing while the nodes stop;
+    before the directory's lock, which a restart of the driver's may be waiting for (it
+    obeys SIGTERM between two actions)."""
+    stop_churn(directory)
     try:
         with locked(Path(directory)):
             return _down(directory, timeout)
