@@ -148,7 +148,7 @@ def testnet_manifest(m: mf.Manifest, directory: Path) -> mf.Manifest:
 def _locked(net: Testnet) -> Iterator[None]:
     """The testnet directory's lock (testnet/dirlock.py), with `net` read again under it."""
     try:
-        with locked(Path(net.dir)):
+        with locked(Path(net.dir), on_wait=lambda msg: print(msg, file=sys.stderr, flush=True)):
             net.refresh()
             yield
     except DirLocked as e:
