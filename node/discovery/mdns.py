@@ -191,11 +191,13 @@ class MdnsService:
 
     async def wait_for_peers(self, timeout: float) -> list[str]:
         """Addresses of the peers of our run found and not handed out before, waiting up to
-        `timeout` s for the first one; [] when no new one answers in time."""
+        `timeout` s for one that names our run (a peer that names none, an older node or
+        a bootstrap holding no run, may be of another run: it is handed out too, but is
+        not what the wait ends on unless the time runs out); [] when none answers."""
         with trio.move_on_after(timeout):
-            while not self._fresh():
+            while not any(self.run_id in self.runs.get(p, ()) for p in self._fresh()):
                 await self._changed.wait()
-        fresh = self._fresh()
+        fresh = sorted(self._fresh(), key=lambda p: self.run_id not in self.runs.get(p, ()))
         self.handed.update(fresh)
         return [a for p in fresh for a in self.found[p]]
 
