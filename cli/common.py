@@ -9,10 +9,11 @@ with the same documented exit code (docs/operator.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -183,3 +184,41 @@ def run_async(main: Callable[[], Awaitable[int | None]]) -> None:
     leave_safely_if_threads_alive(code)
     if code:
         raise typer.Exit(code)
+
+
+class _Frames:
+    """Redrawing where there is no terminal to redraw on (a pipe, a file, `| tee`): each
+    view printed whole under a time line, flushed, so a reader sees every update."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def update(self, renderable: Any) -> None:
+        import time
+
+        self.console.print(f"--- {time.strftime('%H:%M:%S')}", markup=False, highlight=False)
+        self.console.print(renderable)
+        self.console.file.flush()
+
+
+class _LiveView:
+    def __init__(self, live: Any) -> None:
+        self.live = live
+
+    def update(self, renderable: Any) -> None:
+        self.live.update(renderable, refresh=True)
+
+
+@contextlib.contextmanager
+def redrawn(console: Console, first: Any) -> Iterator[_Frames | _LiveView]:
+    """A view to `update()` again and again: redrawn in place on a terminal (rich's Live),
+    printed frame after frame elsewhere, where Live printed nothing until it ended."""
+    if not console.is_terminal:
+        frames = _Frames(console)
+        frames.update(first)
+        yield frames
+        return
+    from rich.live import Live
+
+    with Live(first, console=console, auto_refresh=False, transient=False) as live:
+        yield _LiveView(live)

@@ -5,6 +5,11 @@ carries (peer, reason, step, loss, ...) after it; a line that is not JSON prints
 `-f` keeps printing what the node appends, across a rotation (node.log is rotated at
 20 MB: a new, shorter file, or another inode, is read from its start), until Ctrl-C.
 `--json` prints the records as they are in the file.
+
+A training node writes a `progress` record (step, losses) at every point of its loss
+history, as often as every 2 s, so that a loss curve can be drawn from the log; read as is,
+they buried every other line (40 lines: the last 80 s of progress). They are folded: one
+per PROGRESS_EVERY_S is shown, the rest skipped, and `--progress` shows them all.
 """
 
 from __future__ import annotations
@@ -27,6 +32,28 @@ FOLLOW_POLL_S = 0.25  # how often `-f` looks for new lines (tail -f polls too)
 MAX_LINE = 64 * 1024  # a longer line is cut: a log line is never a reason to buffer MBs
 
 _SHOWN = ("ts", "level", "logger", "msg", "exc")
+PROGRESS_EVERY_S = 60.0
+
+
+class ProgressFold:
+    """Keeps a `progress` record only if PROGRESS_EVERY_S have passed (by the records'
+    own times) since the last one kept; every other line is kept."""
+
+    def __init__(self, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.every_s = every_s
+        self.last: float | None = None
+
+    def keep(self, line: str) -> bool:
+        if '"event": "progress"' not in line:  # cheap: most lines are not progress
+            return True
+        try:
+            ts = float(json.loads(line)["ts"])
+        except (ValueError, KeyError, TypeError):
+            return True
+        if self.last is not None and 0 <= ts - self.last < self.every_s:
+            return False
+        self.last = ts
+        return True
 
 
 def render(line: str) -> str:
@@ -45,12 +72,16 @@ def render(line: str) -> str:
     return text
 
 
-def last_lines(path: Path, n: int) -> tuple[list[str], int]:
-    """The file's last `n` lines and the offset read up to (the whole file is read:
-    node.log is rotated at 20 MB)."""
+def last_lines(path: Path, n: int, fold: ProgressFold | None = None
+               ) -> tuple[list[str], int]:
+    """The file's last `n` lines (of those `fold` keeps) and the offset read up to (the
+    whole file is read: node.log is rotated at 20 MB)."""
     with path.open("rb") as f:
         data = f.read()
-    return [_text(b) for b in data.splitlines()[-n:]], len(data)
+    lines = [_text(b) for b in data.splitlines()]
+    if fold is not None:
+        lines = [line for line in lines if fold.keep(line)]
+    return lines[-n:], len(data)
 
 
 def follow(path: Path, start: int, poll_s: float = FOLLOW_POLL_S) -> Iterator[str]:
@@ -96,6 +127,8 @@ def logs(
         "--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="The records as they are in node.log (JSON lines).")] = False,
+    progress: Annotated[bool, typer.Option(
+        "--progress", help="Every progress record (default: one a minute).")] = False,
 ) -> None:
     """Print the local node's log (node.log), readable; -f follows it."""
     from node.config import default_state_dir
@@ -103,8 +136,9 @@ def logs(
     if lines < 1:
         raise fail(f"--lines {lines}: expected at least 1", 2)
     path = (state_dir or default_state_dir()) / LOG_FILE
+    fold = None if progress else ProgressFold()
     try:
-        tail, size = last_lines(path, lines)
+        tail, size = last_lines(path, lines, fold)
     except FileNotFoundError:
         raise fail(f"no log at {path}: no node has run with that state directory") from None
     except OSError as e:
@@ -115,6 +149,7 @@ def logs(
     if follow_:
         try:
             for line in follow(path, size):
-                out.print(show(line), highlight=False, markup=False)
+                if fold is None or fold.keep(line):
+                    out.print(show(line), highlight=False, markup=False)
         except KeyboardInterrupt:
             raise typer.Exit(EXIT_SIGINT) from None

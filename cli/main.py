@@ -364,9 +364,9 @@ def _watch_status(state_dir: Path, interval: float, as_json: bool) -> None:
     yet) is a line in the view, not the end of the watch."""
     import time
 
-    from rich.live import Live
     from rich.text import Text
 
+    from cli.common import redrawn
     from cli.render import node_status_table
 
     def view() -> Any:
@@ -382,10 +382,10 @@ def _watch_status(state_dir: Path, interval: float, as_json: bool) -> None:
             print(json.dumps(st if st is not None else {"error": "no node answering"}),
                   flush=True)
             time.sleep(interval)
-    with Live(view()[1], console=out, auto_refresh=False) as live:
+    with redrawn(out, view()[1]) as live:  # frames, not nothing, when piped
         while True:
             time.sleep(interval)
-            live.update(view()[1], refresh=True)
+            live.update(view()[1])
 
 
 from cli import bench_cmd, ckpt_cmd, logs_cmd, testnet_cmd  # noqa: E402  (sub-commands)

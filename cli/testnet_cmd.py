@@ -9,13 +9,13 @@ import re
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.live import Live
 
 from cli import checks
-from cli.common import Json, err, fail, out, print_json
+from cli.common import Json, err, fail, out, print_json, redrawn
+from cli.logs_cmd import ProgressFold, last_lines
 from cli.logs_cmd import render as render_log_line
 from cli.render import testnet_table
 from testnet import churn, launcher, nat, netns, swarm
@@ -217,14 +217,15 @@ class _Quiet:
 
 
 def _live_table(net: launcher.Testnet, stop: threading.Event) -> None:
-    with Live(console=out, refresh_per_second=2, transient=False) as live:
-        while not stop.is_set():
-            net = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
-            live.update(testnet_table(launcher.collect_status(net),
-                                      f"testnet {net.run_id} (Ctrl-C stops it)",
-                                      width=out.width,
-                                      churn=churn.summary(churn.load_state(Path(net.dir)))))
-            stop.wait(1.0)
+    def view() -> Any:
+        current = launcher.Testnet.load(Path(net.dir)) or net  # a churn changes pids
+        return testnet_table(launcher.collect_status(current),
+                             f"testnet {current.run_id} (Ctrl-C stops it)", width=out.width,
+                             churn=churn.summary(churn.load_state(Path(current.dir))))
+
+    with redrawn(out, view()) as live:  # frame after frame when piped
+        while not stop.wait(1.0 if out.is_terminal else 5.0):
+            live.update(view())
 
 
 @app.command()
@@ -378,6 +379,9 @@ def logs(
     as_json: Annotated[bool, typer.Option(
         "--json", help="JSON lines: each node.log record with a `node` field added; an "
         "error as one JSON object on stderr.")] = False,
+    progress: Annotated[bool, typer.Option(
+        "--progress", help="Every progress record (default: one a minute per node).")]
+    = False,
 ) -> None:
     """Print the last log lines of one node, or of all of them."""
     if lines < 1:
@@ -389,7 +393,7 @@ def logs(
     for p in procs:
         path = Path(p.state_dir) / "node.log"
         try:
-            raw = path.read_text(errors="replace").splitlines()[-lines:]
+            raw = last_lines(path, lines, None if progress else ProgressFold())[0]
         except OSError:  # not started far enough to log: its terminal output
             raw = None
         if as_json:

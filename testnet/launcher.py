@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import platformdirs
 
@@ -38,10 +40,17 @@ from testnet import churn as churn_mod
 from testnet import nat as nat_mod
 from testnet import netns as ns
 from testnet.churn import ChurnConfig, Kill, kill_schedule
+from testnet.dirlock import DirLocked, locked
 
 STATE_FILE = "testnet.json"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+T = TypeVar("T")
 EXIT_WAIT_S = 10.0  # restart_node: how long a just-killed node may take to be gone
+# What one node process takes, measured (docs/operator.md, "How many nodes"): RSS of a
+# training node of the default manifest, and its threads (trio workers, zeroconf, torch).
+NODE_MB = 500  # measured: 468 MB (2026-11-27, default manifest, 30 s in)
+NODE_THREADS = 24  # measured: 6 at rest; trio worker threads come and go
+NODES_PER_CPU = 16  # a stated bound, not a measurement: a node at rest takes ~5% of a core
 
 
 class TestnetError(Exception):
@@ -84,6 +93,76 @@ class Testnet:
             return None
         doc["procs"] = [Proc(**p) for p in doc["procs"]]
         return cls(**doc)
+
+    def refresh(self) -> None:
+        """Read testnet.json again (under the directory's lock): another command may have
+        started or replaced processes since this object was loaded."""
+        fresh = Testnet.load(Path(self.dir))
+        if fresh is not None:
+            vars(self).update(vars(fresh))
+
+
+def capacity() -> tuple[int, str]:
+    """How many node processes this machine holds, and how that is derived: the least of
+    available memory / NODE_MB, free process slots (RLIMIT_NPROC) / NODE_THREADS, and
+    NODES_PER_CPU per CPU."""
+    import resource
+
+    cpus = os.cpu_count() or 1
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        avail_mb = int(next(line.split()[1] for line in meminfo.splitlines()
+                            if line.startswith("MemAvailable:"))) // 1024
+    except (OSError, StopIteration, ValueError):
+        avail_mb = 4096
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    slots = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    bounds = {f"{avail_mb} MB available / {NODE_MB} MB per node": avail_mb // NODE_MB,
+              f"{slots} processes allowed / {NODE_THREADS} threads per node":
+                  slots // NODE_THREADS,
+              f"{cpus} CPUs x {NODES_PER_CPU}": cpus * NODES_PER_CPU}
+    why, n = min(bounds.items(), key=lambda kv: kv[1])
+    return max(n, 1), why
+
+
+def batch_size() -> int:
+    """Processes started at once: each imports Python, libp2p and torch (1-3 CPU s), so
+    hundreds at once starve each other past every start-up deadline."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def testnet_manifest(m: mf.Manifest, directory: Path) -> mf.Manifest:
+    """`m` with its run name tagged with the testnet's directory, so that two testnets on
+    one machine train two runs (two run-ids) and never merge through mDNS or a joiner that
+    knows both: a run-id names a run, and two testnets are two runs. The same directory
+    gives the same run-id again, so a testnet brought up again resumes its checkpoints."""
+    import hashlib
+
+    tag = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:8]
+    doc = m.model_dump(by_alias=True)
+    doc["run"] = {**doc["run"], "name": f"{m.run.name[:55]}.{tag}"}
+    return mf.Manifest.model_validate(doc)
+
+
+@contextlib.contextmanager
+def _locked(net: Testnet) -> Iterator[None]:
+    """The testnet directory's lock (testnet/dirlock.py), with `net` read again under it."""
+    try:
+        with locked(Path(net.dir), on_wait=lambda msg: print(msg, file=sys.stderr, flush=True)):
+            net.refresh()
+            yield
+    except DirLocked as e:
+        raise TestnetError(str(e)) from None
+
+
+def _serialized(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn(net, ...)` under the testnet directory's lock, `net` read again first: every
+    command that starts, stops or records processes (testnet/dirlock.py)."""
+    @functools.wraps(fn)
+    def wrapper(net: Testnet, *args: Any, **kwargs: Any) -> T:
+        with _locked(net):
+            return fn(net, *args, **kwargs)
+    return wrapper
 
 
 def default_manifest_path() -> Path:
@@ -129,10 +208,14 @@ def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
     # (node/priority.py), so a joiner goes first. Tried on 2026-11-26: every node in the
     # launcher's session changed which node outpaces which, and the sybil and pipeline
     # scenario tests failed in 2 of 3 runs (docs/architecture.md, "Testnet").
-    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True, env=env,
-                         preexec_fn=None if detached else _pdeathsig)
-    log.close()
+    try:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                             preexec_fn=None if detached else _pdeathsig)
+    except OSError as e:  # fork's EAGAIN (process limit), ENOMEM: one line, then `down`
+        raise TestnetError(f"cannot start {name}: {e.strerror or e}") from None
+    finally:
+        log.close()
     return Proc(name, str(state_dir), p.pid, args)
 
 
@@ -185,7 +268,27 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         raise TestnetError("--nodes must be at least 1")
     if sybils and attack not in ("label-flip", "backdoor"):
         raise TestnetError("sybils need an attack: label-flip or backdoor")
+    most, why = capacity()
+    if nodes + sybils + 1 > most:  # and the bootstrap
+        raise TestnetError(f"--nodes {nodes}: this machine holds at most {most} node "
+                           f"processes with the bootstrap ({why}); start fewer")
     directory = Path(directory).resolve()
+    try:
+        with locked(directory, on_wait=on_progress):
+            return _up(directory, nodes, manifest=manifest, detached=detached,
+                       extra_node_args=extra_node_args, timeout=timeout, sybils=sybils,
+                       attack=attack, aggregator=aggregator, netns=netns,
+                       neighbours=neighbours, churn=churn, nat=nat, rate=rate, rtt_ms=rtt_ms,
+                       stages=stages, on_progress=on_progress)
+    except DirLocked as e:
+        raise TestnetError(str(e)) from None
+
+
+def _up(directory: Path, nodes: int, *, manifest: Path | None, detached: bool,
+        extra_node_args: list[str] | None, timeout: float, sybils: int, attack: str | None,
+        aggregator: str | None, netns: bool, neighbours: dict[str, list[str]] | None,
+        churn: ChurnConfig | None, nat: dict[str, str] | None, rate: str | None,
+        rtt_ms: float | None, stages: int | None, on_progress) -> Testnet:
     existing = Testnet.load(directory)
     if existing and any(alive(p.pid, p.state_dir) for p in existing.procs):
         raise TestnetError(f"a testnet is already running in {directory}; "
@@ -204,6 +307,7 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
             raise TestnetError(f"--aggregator {aggregator}: {e}") from e
     if stages is not None:
         m = pipeline_stages(m, stages)
+    m = testnet_manifest(m, directory)
     # Before anything starts: a topology naming processes we will not start is refused.
     fixed = _neighbour_args(directory, [*(f"node{i}" for i in range(1, nodes + 1)),
                                         *(f"sybil{i}" for i in range(1, sybils + 1))],
@@ -242,21 +346,26 @@ def up(directory: Path, nodes: int, *, manifest: Path | None = None, detached: b
         addrs = _wait_for(lambda: _read_addrs(boot_dir), timeout, "the bootstrap to listen", procs)
         net.bootstrap_addr = addrs[0]
         on_progress(f"starting {nodes} nodes on run {run_id}")
-        for i in range(1, nodes + 1):
-            d = directory / f"node{i}"
-            (d / "addrs.json").unlink(missing_ok=True)
-            procs.append(_spawn(f"node{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
-                                                "--listen", LOOPBACK, *(extra_node_args or []),
-                                                *fixed.get(f"node{i}", [])],
-                                detached, env, topo))
-        for i in range(1, sybils + 1):
-            d = directory / f"sybil{i}"
-            (d / "addrs.json").unlink(missing_ok=True)
-            procs.append(_spawn(f"sybil{i}", d, ["join", run_id, "--bootstrap", net.bootstrap_addr,
-                                                 "--listen", LOOPBACK, "--attack", str(attack),
-                                                 *fixed.get(f"sybil{i}", [])],
-                                detached, env, topo))
-        net.save()
+        joins = [(f"node{i}", [*(extra_node_args or []), *fixed.get(f"node{i}", [])])
+                 for i in range(1, nodes + 1)]
+        joins += [(f"sybil{i}", ["--attack", str(attack), *fixed.get(f"sybil{i}", [])])
+                  for i in range(1, sybils + 1)]
+        batch = batch_size()
+        for start in range(0, len(joins), batch):
+            started = []
+            for name, args in joins[start:start + batch]:
+                d = directory / name
+                (d / "addrs.json").unlink(missing_ok=True)
+                started.append(_spawn(name, d, ["join", run_id, "--bootstrap",
+                                                net.bootstrap_addr, "--listen", LOOPBACK, *args],
+                                      detached, env, topo))
+                procs.append(started[-1])
+                net.save()  # each pid recorded as it starts: `down` finds every one
+            if start + batch < len(joins):
+                on_progress(f"started {len(procs) - 1} of {len(joins)} nodes")
+                _wait_for(lambda s=started: all(_read_addrs(Path(p.state_dir)) for p in s),
+                          timeout, f"nodes {started[0].name}..{started[-1].name} to listen",
+                          started)
         _wait_for(lambda: all(_phase(p) == "running" for p in procs), timeout,
                   "every node to join the run", procs)
         if churn is not None:
@@ -298,11 +407,13 @@ def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
     return out
 
 
+@_serialized
 def kill_stage(net: Testnet, stage: int, *, replace: bool = True, timeout: float = 60.0
                ) -> tuple[list[str], str | None]:
     """SIGKILL every host of `stage`; once a surviving node's view has lost them (its
     heartbeat ttl), start a replacement node, which takes the empty stage and recovers it
-    (docs/pipeline.md). Returns (the killed, the replacement's name)."""
+    (docs/pipeline.md). Returns (the killed, the replacement's name). Under the testnet
+    directory's lock: a second kill-stage waits, then names its replacement afresh."""
     hosts = stage_hosts(net, stage)
     if not hosts:
         raise TestnetError(f"no live process hosts stage {stage} (is this a `--scenario "
@@ -391,6 +502,7 @@ def collect_status(net: Testnet) -> list[dict[str, Any]]:
     return rows
 
 
+@_serialized
 def start_churn(net: Testnet, config: ChurnConfig) -> list[Kill]:
     """Start the churn driver (testnet/churn.py) on this testnet; returns its schedule.
 
@@ -443,7 +555,18 @@ def stop_churn(directory: Path, timeout: float = 10.0) -> bool:
 def down(directory: Path, timeout: float = 10.0) -> int:
     """Stop every process of the testnet; returns how many were running (nodes, bootstrap).
 
-    A churn driver is stopped first, so that it restarts nothing while the nodes stop."""
+    A churn driver is stopped first, so that it restarts nothing while the nodes stop;
+    before the directory's lock, which a restart of the driver's may be waiting for (it
+    obeys SIGTERM between two actions)."""
+    stop_churn(directory)
+    try:
+        with locked(Path(directory)):
+            return _down(directory, timeout)
+    except DirLocked as e:
+        raise TestnetError(str(e)) from None
+
+
+def _down(directory: Path, timeout: float) -> int:
     stop_churn(directory)
     net = Testnet.load(Path(directory).resolve())  # (again: the churn changes pids)
     if net is None:  # namespaces a launcher left before it could record them
@@ -486,6 +609,7 @@ def kill_node(net: Testnet, name: str, sig: int = signal.SIGKILL) -> Proc:
     raise TestnetError(f"no process named {name} in this testnet")
 
 
+@_serialized
 def restart_node(net: Testnet, name: str) -> Proc:
     """Start a (killed) node again with its same state directory: same identity. A node
     SIGKILLed a moment ago gets up to EXIT_WAIT_S to be gone (the signal is asynchronous:
@@ -506,6 +630,7 @@ def restart_node(net: Testnet, name: str) -> Proc:
     raise TestnetError(f"no process named {name} in this testnet")
 
 
+@_serialized
 def add_node(net: Testnet, name: str, extra_args: list[str] | None = None) -> Proc:
     """Start one more node joining the run (a late joiner); returns at once."""
     if any(p.name == name for p in net.procs):
@@ -533,6 +658,7 @@ def topology(net: Testnet) -> ns.Topology | None:
     return ns.Topology.from_json(net.netns) if net.netns else None
 
 
+@_serialized
 def partition(net: Testnet, side: list[str] | None = None) -> list[list[str]]:
     """Cut the testnet in two: `side` (default: the second half of the nodes) against the
     rest. Dials across fail at once and open connections across are aborted."""
@@ -553,6 +679,7 @@ def partition(net: Testnet, side: list[str] | None = None) -> list[list[str]]:
     return cut
 
 
+@_serialized
 def heal(net: Testnet) -> None:
     """Undo `partition`: every namespace reaches every other again."""
     topo = topology(net)

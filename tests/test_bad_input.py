@@ -131,7 +131,7 @@ async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory
                                60, "the node to count 3 bad streams")
         assert st["host_restarts"] == 0
         m = await manifest_service.fetch_manifest(me, peer, net.run_id)
-        assert m.run.name == "testnet-default"
+        assert m.run.name.startswith("testnet-default.")  # tagged with its testnet
         nursery.cancel_scope.cancel()
     logs = (Path(node.state_dir) / "node.log").read_text().splitlines()
     reasons = [json.loads(line)["msg"] for line in logs if "handler" in line]

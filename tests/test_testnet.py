@@ -42,7 +42,7 @@ def test_four_nodes_see_each_other_then_down_leaves_nothing(testnet_factory):
     r = cli("status", "--json", "--state-dir", members[0].state_dir)
     st = json.loads(r.stdout)
     assert st["run"] == net.run_id and st["phase"] == "running"
-    assert st["run_name"] == "testnet-default"
+    assert st["run_name"].startswith("testnet-default.")  # tagged: a run per testnet dir
     # a loopback node never looks for a UPnP gateway: SSDP would multicast off this machine
     assert st["reach"]["upnp"]["state"] == "off (loopback only)"
 

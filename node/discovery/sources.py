@@ -5,7 +5,9 @@
        flag overrides the config; node/config.py `bootstrap_from` names which)
     2. peers remembered from earlier joins of the run (node/discovery/remembered.py)
     3. the run manifest's `network.bootstrap`, when the manifest is already held here
-    4. mDNS on the local network, if a peer answers within `mdns_wait_s`
+    4. mDNS on the local network, if a peer of the run answers within `mdns_wait_s`; when
+       none of the peers it names can be reached, it is asked again for the peers that
+       answered since, until no new one answers in time (node/discovery/mdns.py)
 
 Each source's addresses are dialed in parallel; the first source that reaches a peer ends
 the search (the redialer and the DHT find the rest). A source that reaches nobody is
@@ -37,6 +39,7 @@ class Source:
     name: str  # "--bootstrap", "remembered peers", "mDNS", ...
     addrs: list[str] = field(default_factory=list)
     # Resolved when its turn comes (mDNS waits a little for answers); None: `addrs` as is.
+    # Asked again while what it gave could not be reached: each call gives new addresses.
     lookup: Callable[[], Awaitable[list[str]]] | None = None
 
 
@@ -59,24 +62,18 @@ async def connect_first(substrate: Substrate, sources: list[Source],
     """Dial source by source until one reaches a peer; see the module docstring."""
     outcome = Outcome()
     for source in sources:
-        addrs = list(source.addrs)
-        if source.lookup is not None:
-            addrs = await source.lookup()
-        if not addrs:
-            continue
         reached: list[str] = []
         failures: list[str] = []
-
-        async def dial(addr: str, reached=reached, failures=failures) -> None:
-            try:
-                await substrate.connect(addr, timeout=dial_timeout_s)
-                reached.append(addr)
-            except DialError as e:
-                failures.append(str(e))
-
-        async with trio.open_nursery() as nursery:
-            for addr in dict.fromkeys(addrs):
-                nursery.start_soon(dial, addr)
+        tried: set[str] = set()
+        while not reached:  # a lookup is asked again while its peers could not be reached
+            addrs = list(source.addrs) if source.lookup is None else await source.lookup()
+            addrs = [a for a in dict.fromkeys(addrs) if a not in tried]
+            if not addrs:
+                break
+            tried.update(addrs)
+            await _dial_all(substrate, addrs, dial_timeout_s, reached, failures)
+        if not tried:
+            continue
         outcome.failures += [f"{source.name}: {f}" for f in failures]
         if reached:
             for f in failures:
@@ -87,3 +84,19 @@ async def connect_first(substrate: Substrate, sources: list[Source],
         log.warning("no peer answered from %s; trying the next source:\n  %s",
                     source.name, "\n  ".join(failures))
     return outcome
+
+
+async def _dial_all(substrate: Substrate, addrs: list[str], timeout: float,
+                    reached: list[str], failures: list[str]) -> None:
+    """Dial every address at once; each lands in `reached` or, as its error, `failures`."""
+
+    async def dial(addr: str) -> None:
+        try:
+            await substrate.connect(addr, timeout=timeout)
+            reached.append(addr)
+        except DialError as e:
+            failures.append(str(e))
+
+    async with trio.open_nursery() as nursery:
+        for addr in addrs:
+            nursery.start_soon(dial, addr)

@@ -39,9 +39,10 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self.status()
+        yield from build_families()
         yield from node_families(st)
         yield from training_families(st.get("training") or {})
-        yield from averaging_families(st.get("averaging") or {})
+        yield from averaging_families(st.get("averaging") or {}, current_peers(st))
         yield from dht_families((st.get("p2p") or {}).get("dht_operations") or {})
         yield from guard_families(st)
         yield from path_families(st.get("peer_paths") or {})
@@ -83,6 +84,41 @@ def _histogram(name: str, doc: str, labels: list[str],
                    for le, n in snap["buckets"]]
         h.add_metric(values, buckets, sum_value=float(snap["sum"]))
     yield h
+
+
+MAX_PEER_LABELS = 64  # per-peer series at most, the most recently active first
+
+
+def build_families() -> Iterator[Metric]:
+    """`peertrain_build_info{version, python, libp2p}` 1: which build a series came from."""
+    yield from _gauge("build_info", "1, labelled with the versions this node runs.", 1,
+                      **_versions())
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for label, dist in (("version", "peertrain"), ("libp2p", "libp2p")):
+        try:
+            out[label] = version(dist)
+        except PackageNotFoundError:
+            out[label] = "unknown"
+    out["python"] = platform.python_version()
+    return out
+
+
+def current_peers(st: dict[str, Any]) -> set[str] | None:
+    """The peers a per-peer series may name: members heard within the heartbeat TTL and
+    peers connected now. A departed peer's series end (Prometheus marks them stale);
+    before, they stayed for the node's life, one set of labels per peer ever seen."""
+    membership = st.get("membership") or {}
+    paths = (st.get("peer_paths") or {}).get("peers")
+    if "peers" not in membership and paths is None:
+        return None  # nothing says who is here: keep the newest MAX_PEER_LABELS
+    peers = {str(e.get("peer_id")) for e in membership.get("peers", []) if isinstance(e, dict)}
+    return peers | set(paths or {})
 
 
 def node_families(st: dict[str, Any]) -> Iterator[Metric]:
@@ -157,14 +193,22 @@ def training_families(t: dict[str, Any]) -> Iterator[Metric]:
                                      "local": t.get("rounds_local", 0)})
 
 
-def averaging_families(a: dict[str, Any]) -> Iterator[Metric]:
+def averaging_families(a: dict[str, Any], current: set[str] | None = None
+                       ) -> Iterator[Metric]:
+    """Exchange metrics; per-partner series only for `current` peers (current_peers),
+    at most MAX_PEER_LABELS of them."""
     if not a:
         return
     if "exchange_seconds" in a:
         yield from _histogram("exchange_seconds", "Weight exchanges that succeeded, from "
                               "the round boundary to the partner's vector received.", [],
                               [([], a["exchange_seconds"])])
-    partners = a.get("partners") or {}
+    partners = {peer: p for peer, p in (a.get("partners") or {}).items()
+                if current is None or peer in current}
+    if len(partners) > MAX_PEER_LABELS:
+        newest = sorted(partners, key=lambda peer: partners[peer].get("last_exchange_unix")
+                        or 0, reverse=True)[:MAX_PEER_LABELS]
+        partners = {peer: partners[peer] for peer in newest}
     for direction in ("sent", "received"):
         m = CounterMetricFamily(P + f"exchange_{direction}_bytes",
                                 f"Tensor bytes {direction} in weight exchanges, by partner "
@@ -179,9 +223,12 @@ def averaging_families(a: dict[str, Any]) -> Iterator[Metric]:
                             "Weight exchanges that failed (a local step instead).")):
         yield from _labelled(CounterMetricFamily, name, doc + " By partner.", "peer",
                              {peer: p.get(key, 0) for peer, p in partners.items()})
+    # Measured only: an unmeasured partner's rate is the planning prior (50 MB/s), which
+    # was exported as if it had been seen.
     yield from _labelled(GaugeMetricFamily, "exchange_throughput_bytes_per_second",
                          "Each partner's measured exchange throughput (EWMA).", "peer",
-                         {peer: p.get("mb_per_s", 0) * 1e6 for peer, p in partners.items()})
+                         {peer: p.get("mb_per_s", 0) * 1e6 for peer, p in partners.items()
+                          if p.get("exchanges")})
 
 
 def dht_families(d: dict[str, Any]) -> Iterator[Metric]:

@@ -26,7 +26,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from node.errors import MetricsPortError
@@ -34,6 +34,7 @@ from node.files import atomic_write
 from node.metrics.collector import StatusCollector
 from node.metrics.history import History
 from node.metrics.http import HttpServer, Response
+from node.status.logs import RECENT
 
 if TYPE_CHECKING:
     from node.service import NodeContext
@@ -69,6 +70,8 @@ class MetricsService:
                                   "/api/status": self._api_status})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatusCollector(self.status, self._extra))
+        # process_* (CPU seconds, RSS, open fds, start time): Prometheus's standard names
+        ProcessCollector(registry=self.registry)
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
@@ -126,8 +129,11 @@ class MetricsService:
         Also the control socket's `api_status` command: a testnet's swarm page reads every
         node through it, which works where the HTTP port cannot be reached (a node in a
         network namespace, or one run with --no-metrics)."""
-        return {**self.status(), **self._extra(), "history": self.history.to_json(),
-                "checkpoints": self.checkpoints, "now_unix": round(time.time(), 3)}
+        st = self.status()
+        now = time.time()
+        return {**st, **self._extra(), "history": self.history.to_json(),
+                "checkpoints": self.checkpoints, "now_unix": round(now, 3),
+                "warnings": warnings(st, now), "recent_problems": RECENT.recent()}
 
     def _api_status(self) -> Response:
         return Response(body=json.dumps(self.api_status(), default=str).encode(),
@@ -197,6 +203,37 @@ def progress_line(st: dict[str, Any]) -> str:
     parts.append(f"rounds {t.get('rounds_averaged', 0)} averaged, "
                  f"{t.get('rounds_local', 0)} local")
     return " · ".join(parts)
+
+
+STALL_ROUNDS = 3  # rounds without an exchange before the page says averaging stalled
+
+
+def warnings(st: dict[str, Any], now: float) -> list[str]:
+    """What a person at the status page must not miss, one sentence each: averaging that
+    stalled (the last exchange older than STALL_ROUNDS rounds, a round's length measured
+    as the node's wall time over its rounds), training that stopped with an error. Before,
+    a stall was "last exchange 29 min ago" in a table cell."""
+    out = []
+    t = st.get("training") or {}
+    if t.get("error"):
+        out.append(f"training stopped: {t['error']}")
+    rounds = t.get("round") or 0
+    if rounds < 1 or not t.get("wall_s"):
+        return out
+    round_s = t["wall_s"] / rounds
+    partners = (st.get("averaging") or {}).get("partners") or {}
+    last = max((p["last_exchange_unix"] for p in partners.values()
+                if p.get("last_exchange_unix")), default=None)
+    peers = len((st.get("membership") or {}).get("peers", []))
+    if last is None:
+        if peers and rounds >= STALL_ROUNDS:
+            out.append(f"averaging has not started: no exchange in {rounds} rounds though "
+                       f"{peers} peer{'s are' if peers != 1 else ' is'} live")
+    elif (now - last) / round_s >= STALL_ROUNDS:
+        out.append(f"averaging stalled: the last exchange was {round(now - last)} s ago, "
+                   f"{(now - last) / round_s:.0f} rounds of {round_s:.0f} s; every round since "
+                   f"was local ({peers} peer{'s' if peers != 1 else ''} live)")
+    return out
 
 
 def short_id(peer: str) -> str:

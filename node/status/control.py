@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.status import stuck
+
 if TYPE_CHECKING:
     from node.service import NodeContext
 
@@ -45,12 +47,25 @@ class ControlService:
     name = "control"
     protocols = ()  # a local TCP socket, not a libp2p protocol
 
-    def __init__(self, handlers: dict[str, Callable[[], Any]]) -> None:
+    def __init__(self, handlers: dict[str, Callable[[], Any]], *,
+                 grace_s: float = stuck.GRACE_S, exit: Callable[[int], Any] = os._exit) -> None:
         self.handlers = handlers
+        self.grace_s = grace_s
+        self._exit = exit
+        self.watchdog: stuck.StopWatchdog | None = None
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await serve_control(ctx.config.state_dir, self.handlers, task_status=task_status)
+        # The task that runs the node (it opened the nursery this service runs in): once the
+        # node is stopping, a watchdog waits for it to end (node/status/stuck.py).
+        parent = trio.lowlevel.current_task().parent_nursery
+        owner = parent.parent_task if parent is not None else trio.lowlevel.current_task()
+        self.watchdog = stuck.StopWatchdog(owner, self.grace_s, self._exit)
+        try:
+            await serve_control(ctx.config.state_dir, self.handlers, task_status=task_status)
+        except BaseException:  # cancelled (the node stops; maybe in a group) or failing
+            self.watchdog.arm()
+            raise
 
     def statistics(self) -> dict[str, Any]:
         return {"commands": sorted(self.handlers)}

@@ -75,7 +75,11 @@ function nodeRows(doc) {
     const peer = el("td", { title: st.peer_id || "" });
     peer.append(el("code", {}, short(st.peer_id)));
     const phase = st.phase ? (n.up ? st.phase : "was " + st.phase) : "–";
-    tr.append(name, state, el("td", {}, phase),
+    const phaseCell = el("td", {}, phase);
+    for (const w of st.warnings || []) {  // averaging stalled, training stopped
+      phaseCell.append(el("div", { class: "warning", title: w }, "⚠ " + w));
+    }
+    tr.append(name, state, phaseCell,
       el("td", { class: "num" }, t.step ?? "–"), el("td", { class: "num" }, fmt(t.loss)),
       el("td", { class: "num" }, fmt(t.val_loss)),
       el("td", { class: "num" }, st.membership ? (st.membership.peers || []).length : "–"),

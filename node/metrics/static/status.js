@@ -200,13 +200,27 @@ function network(st) {
   ]));
 }
 
+// What must not be missed (the node's `warnings`: averaging stalled, training stopped)
+// and its last WARNING/ERROR log records; the panel is hidden while there are none.
+function problems(st) {
+  const warnings = st.warnings || [], recent = (st.recent_problems || []).slice().reverse();
+  $("problems-section").hidden = !warnings.length && !recent.length;
+  $("warnings").replaceChildren(...warnings.map((w) => el("li", {}, w)));
+  rows($("problems"), recent.map((r) => {
+    const tr = el("tr", { class: r.level });
+    tr.append(el("td", {}, ago(st.now_unix - r.ts)), el("td", {}, r.level),
+      el("td", {}, r.logger), el("td", {}, r.msg));
+    return tr;
+  }));
+}
+
 async function refresh() {
   try {
     const r = await fetch("/api/status", { cache: "no-store" });
     if (!r.ok) throw new Error("HTTP " + r.status);
     const st = await r.json();
     $("error").textContent = "";
-    header(st); cards(st); chart(st.history || []); peers(st); rounds(st);
+    header(st); problems(st); cards(st); chart(st.history || []); peers(st); rounds(st);
     checkpoints(st); phases(st); network(st);
     document.body.setAttribute("data-loaded", "1");
   } catch (e) {
