@@ -49,6 +49,7 @@ from p2p import circuit, lazy_select
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 from p2p.gossipsub import GossipSub
+from p2p.slots import InboundSlots
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Substrate:
         self._handlers: dict[str, Handler] = {}
         self.stats = SubstrateStats()
         self.gate = gate or Gate()
+        self.slots = InboundSlots()  # py-libp2p's inbound cap, fixed (p2p/slots.py)
         self.host: IHost | None = None
         self.dht: DHT | None = None
         self.pubsub: Pubsub | None = None
@@ -188,6 +190,7 @@ class Substrate:
             addrs_factory=self._advertised,
         )
         self._with_relayed(host)
+        self.slots.install(host.get_network())
         g = self.gossip_settings
         router = GossipSub(
             protocols=[GOSSIP_12, GOSSIP_11, GOSSIP_10],
