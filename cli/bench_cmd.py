@@ -187,6 +187,14 @@ def kill_stage(quick: Quick = False) -> None:
     bench.main(quick=quick)
 
 
+@app.command()
+def soak(quick: Quick = False) -> None:
+    """A public node takes 10,000 connections from 1,000 identities: RSS, fds, a fresh peer."""
+    from testnet.bench import soak as bench
+
+    bench.main(quick=quick)
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
@@ -200,6 +208,7 @@ def run_all(quick: Quick = False) -> None:
     join(quick)
     pull(quick)
     churn(quick)
+    soak(quick)
     from testnet.netns import available
 
     if available() is None:  # root only

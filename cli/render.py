@@ -31,8 +31,12 @@ def node_status_table(st: dict[str, Any]) -> Group:
     head.add_row("uptime", f"{st['uptime_s']:.0f} s")
     head.add_row("addrs", "\n".join(st["addrs"]))
     p2p = st.get("p2p") or {}
-    head.add_row("connections", f"{p2p.get('connections', 0)} "
-                 f"(DHT table {p2p.get('dht_routing_table', 0)})")
+    conns = Text(f"{p2p.get('connections', 0)} (DHT table {p2p.get('dht_routing_table', 0)})")
+    refused = (p2p.get("inbound") or {}).get("refused") or {}
+    if refused:  # p2p/slots.py: every inbound slot taken, or one peer over its share
+        conns.append("; inbound refused: " + ", ".join(
+            f"{n} {reason}" for reason, n in sorted(refused.items())), "yellow")
+    head.add_row("connections", conns)
     reach = st.get("reach")
     if reach:
         head.add_row("reachability", reach_line(reach))

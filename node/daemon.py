@@ -439,6 +439,7 @@ class Node:
                 "dht_routing_table": dht.routing_table_size() if dht else 0,
                 "dht_operations": dht.statistics() if dht else {},
                 "handler_errors": substrate.handler_errors,
+                "inbound": substrate.slots.statistics(),
                 "host_restarts": substrate.stats.restarts,
                 "gossip": vars(ctx.publisher.stats),
             },

@@ -50,6 +50,7 @@ from p2p import circuit, lazy_select
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 from p2p.gossipsub import GossipSub
+from p2p.slots import InboundSlots
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Substrate:
         self._handlers: dict[str, Handler] = {}
         self.stats = SubstrateStats()
         self.gate = gate or Gate()
+        self.slots = InboundSlots()  # py-libp2p's inbound cap, fixed (p2p/slots.py)
         self.host: IHost | None = None
         self.dht: DHT | None = None
         self.pubsub: Pubsub | None = None
@@ -189,6 +191,7 @@ class Substrate:
             addrs_factory=self._advertised,
         )
         self._with_relayed(host)
+        self.slots.install(host.get_network())
         g = self.gossip_settings
         router = GossipSub(
             protocols=[GOSSIP_12, GOSSIP_11, GOSSIP_10],

@@ -153,6 +153,8 @@ def _status() -> dict:
         "phase_times": {"starting": 0.0, "connecting": 0.1, "running": 2.0, "first step": 3.1},
         "p2p": {"connections": 2, "dht_routing_table": 2, "handler_errors": 1,
                 "host_restarts": 0, "gossip": {"published": 5, "dropped": 0, "failed": 0},
+                "inbound": {"slots": 250, "in_use": 3, "per_peer": 8, "accepted": 9,
+                            "refused": {"slots_full": 2}},
                 "dht_operations": {"get": {**Timings().snapshot(), "failures": 1}}},
         "membership": {"peers": [{"peer_id": peer}], "members": [{"peer_id": peer}],
                        "heartbeats_sent": 9, "rejected_heartbeats": 2},
@@ -229,6 +231,9 @@ def test_collector_families_parse_with_prometheus_parser():
     assert value("peertrain_node_phase_started_seconds", phase="first step") == 3.1
     assert value("peertrain_peers", path="direct") == 1
     assert value("peertrain_checkpoint_held_bytes") == 4096
+    assert value("peertrain_inbound_slots_in_use") == 3
+    assert value("peertrain_inbound_connections_refused",
+                 "peertrain_inbound_connections_refused_total", reason="slots_full") == 2
 
 
 def test_collector_handles_a_bootstrap_status():

@@ -82,6 +82,19 @@ def test_node_status_lists_banned_peers_only_when_there_are_some():
     assert "1 banned peers" in text and IDS[3] in text and "invalid" in text
 
 
+def test_node_status_says_when_inbound_connections_were_refused():
+    st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
+          "p2p": {"connections": 3, "inbound": {"refused": {}}}, "membership": {"peers": []}}
+    console = Console(width=200, record=True)
+    console.print(r.node_status_table(st))
+    assert "refused" not in console.export_text()
+    st["p2p"]["inbound"]["refused"] = {"slots_full": 7, "conns_per_peer": 2}
+    console = Console(width=200, record=True)
+    console.print(r.node_status_table(st))
+    assert "3 (DHT table 0); inbound refused: 2 conns_per_peer, 7 slots_full" in (
+        console.export_text())
+
+
 def test_node_status_shows_reachability_and_the_gateways_refusal():
     st = {"peer_id": IDS[0], "role": "node", "phase": "running", "uptime_s": 5, "addrs": [],
           "p2p": {}, "membership": {"peers": []},

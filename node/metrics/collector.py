@@ -142,6 +142,14 @@ def node_families(st: dict[str, Any]) -> Iterator[Metric]:
                       p2p.get("dht_routing_table"))
     yield from _counter("host_restarts", "Times the libp2p host died and was restarted.",
                         p2p.get("host_restarts"))
+    inbound = p2p.get("inbound") or {}
+    if inbound:
+        yield from _gauge("inbound_slots_in_use", "Inbound connections holding one of "
+                          "py-libp2p's inbound slots (p2p/slots.py).", inbound.get("in_use"))
+        yield from _labelled(CounterMetricFamily, "inbound_connections_refused",
+                             "Inbound connections refused, by reason (slots_full, "
+                             "conns_per_peer).", "reason",
+                             {"slots_full": 0, "conns_per_peer": 0, **inbound["refused"]})
     gossip = p2p.get("gossip") or {}
     yield from _labelled(CounterMetricFamily, "gossip_messages",
                          "Gossip messages we published, by outcome (dropped: the paced "
