@@ -18,6 +18,7 @@ from node.pipe.links import Inbox, Lost, Message, Outbox, Outgoing, serve_stream
 from node.pipe.worker import StageWorker
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
+from tests.conftest import wait_until
 
 RUN = "QmbJita7vMGEyqez8hwZgqt4fSbGk5bKTtbDPt9xfmR8G5"
 EXPECT = pipe.Expect(RUN, 2, 8, 4, 16, 4)  # an interior stage: act from 1, grad from 3
@@ -229,16 +230,17 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
     sent = sent if sent is not None else []
 
     def post_from(src: int):
-        def post(to, kind, stage, step, mb, hop, tensor):
+        def post(to, kind, stage, step, mb, hop, tensor, origin=""):
             sent.append((src, kind, stage, mb, hop))
             dest = stage  # one host per stage: the receiver's stage names it
             if to[0] == "peer":
                 assert int(to[1]) == stage  # gradients go back to whoever sent the input
             if dest == dead:
                 if kind in ("act", "tgt"):
-                    inboxes[src].offer(Lost(kind, step, mb, f"stage {dead} is dead"))
+                    inboxes[src].offer(Lost(kind, step, mb, f"stage {dead} is dead", origin))
                 return
-            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src), hop))
+            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src), hop,
+                                        origin))
         return post
 
     for s in range(stages):
@@ -323,10 +325,10 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     workers, progress, stop = wire_pipeline(3)
     post = workers[2].post
 
-    def corrupt(to, kind, stage, step, mb, hop, tensor):
+    def corrupt(to, kind, stage, step, mb, hop, tensor, origin=""):
         if kind == "grad" and mb == 0:
             tensor = tensor[:1]
-        post(to, kind, stage, step, mb, hop, tensor)
+        post(to, kind, stage, step, mb, hop, tensor, origin)
     workers[2].post = corrupt
     run_until(workers, stop, lambda: progress[0].step >= 3)
     assert workers[1].stats.dropped >= 3 and "refused" in workers[1].stats.last_reason
@@ -345,10 +347,10 @@ def test_a_first_stage_behind_the_swarm_gives_its_step_up_at_once():
     tied_steps = []
     post = driver.post
 
-    def record(to, kind, stage, step, mb, hop, tensor):
+    def record(to, kind, stage, step, mb, hop, tensor, origin=""):
         if kind == "tied":
             tied_steps.append(step)
-        post(to, kind, stage, step, mb, hop, tensor)
+        post(to, kind, stage, step, mb, hop, tensor, origin)
     driver.post = record
     wte = driver.runner.stage.wte.weight
     driver.inbox.offer(Message("tgrad", 5, 0, torch.zeros_like(wte), "1", 0))
@@ -371,7 +373,7 @@ def test_a_first_stage_waits_for_the_head_gradient_of_every_last_stage_host():
     add = driver.runner.stage.add_tied_grad
     driver.runner.stage.add_tied_grad = lambda g: (added.append(float(g[0, 0])), add(g))
 
-    def last_stage(to, kind, stage, step, mb, hop, tensor):  # answers at once
+    def last_stage(to, kind, stage, step, mb, hop, tensor, origin=""):  # answers at once
         if kind == "act":
             driver.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), "1", 0))
             if mb == driver.M - 1:  # both hosts finish the step; X's gradient comes twice
@@ -411,3 +413,69 @@ def test_a_rebuild_weighs_the_neighbours_by_their_norms_with_a_fresh_boosted_ada
         torch.testing.assert_close(got[k], w0 * prev[k] + w2 * nxt[k])
     assert mid.runner.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 1.1)
     assert not mid.runner.optimizer.state  # fresh moments
+
+
+# -- micro-batches named by their origin --------------------------------------------------
+
+def serve_two_origins(worker, messages, grads_for=None):
+    """Run `worker` (a serving stage told that a step brings it both first-stage
+    replicas' micro-batches) on `messages`, answering each activation it forwards with a
+    gradient from `grads_for`'s sender; what it posted."""
+    posted: list[tuple] = []
+
+    def post(to, kind, stage, step, mb, hop, tensor, origin=""):
+        posted.append((to, kind, step, mb, hop, origin))
+        if kind == "act" and grads_for is not None:
+            worker.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), grads_for,
+                                       hop - 1, origin))
+    worker.post = post
+    worker.arrivals = lambda step: 2 * worker.M
+    for m in messages:
+        worker.inbox.offer(m)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: worker.stats.steps >= 1, 60, "the stage's step")
+    finally:
+        worker.stop.set()
+        thread.join(30)
+    return posted
+
+
+def test_micro_batches_of_one_index_from_two_first_stage_replicas_both_go_through():
+    """Two first-stage replicas, one host left at stage 1: it gets micro-batch 0 of step 0
+    from both. Keyed by (micro-batch, visit) the second was a duplicate, refused as stale
+    every step (issue 27: 2.2 -> 0.2 steps/s after one replica of a 3x2 pipeline died);
+    keyed by origin both are served, each gradient goes back to its own sender, and the
+    stage steps once all four are back, not after its deadline."""
+    workers, _, _ = wire_pipeline(3)
+    mid = workers[1]
+    x = torch.randn(2, 16, 16)
+    acts = [Message("act", 0, mb, x + i, sender, 1, origin)
+            for i, (sender, origin) in enumerate((("pa", "A"), ("pb", "B")))
+            for mb in range(2)]
+    posted = serve_two_origins(mid, acts, grads_for="p2")
+    assert sorted((to[1], mb, origin) for to, kind, _, mb, _, origin in posted
+                  if kind == "grad") == [("pa", 0, "A"), ("pa", 1, "A"), ("pb", 0, "B"),
+                                         ("pb", 1, "B")]
+    assert sorted((mb, origin) for _, kind, _, mb, _, origin in posted
+                  if kind == "act") == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
+    assert (mid.stats.micro_batches, mid.stats.stale, mid.stats.dropped) == (4, 0, 0)
+    assert mid.runner.in_flight == 0
+
+
+def test_the_last_stage_pairs_activations_and_targets_of_the_same_origin():
+    workers, _, _ = wire_pipeline(2)
+    last = workers[1]
+    x, y = torch.randn(2, 16, 16), torch.randint(0, 256, (2, 16))
+    msgs = []
+    for sender, origin in (("pa", "A"), ("pb", "B")):
+        for mb in range(2):
+            msgs += [Message("act", 0, mb, x, sender, 1, origin),
+                     Message("tgt", 0, mb, y, sender, 1, origin)]
+    posted = serve_two_origins(last, msgs)
+    assert sorted((to[1], mb, origin) for to, kind, _, mb, _, origin in posted
+                  if kind == "grad") == [("pa", 0, "A"), ("pa", 1, "A"), ("pb", 0, "B"),
+                                         ("pb", 1, "B")]
+    assert (last.stats.micro_batches, last.stats.stale) == (4, 0)
+    assert [kind for _, kind, *_ in posted].count("tgrad") == 1

@@ -368,10 +368,10 @@ class PipelineService:
         self._stop = threading.Event()
 
         def post(to: tuple, kind: str, stage: int, step: int, mb: int, hop: int,
-                 tensor: Any) -> None:
+                 tensor: Any, origin: str) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
                 trio.from_thread.run_sync(self._dispatch, to, Outgoing(
-                    kind, stage, step, mb, tensor, hop),  # type: ignore[arg-type]
+                    kind, stage, step, mb, tensor, hop, origin),  # type: ignore[arg-type]
                     trio_token=token)
 
         self.worker = None
@@ -431,8 +431,9 @@ class PipelineService:
         if stage.is_last and not stage.is_first:
             stage.set_tied(stages[0].wte.weight)
         stage.to(self.device)
+        # as many as the inbox holds: a host left alone on its stage serves every origin
         runner = StageRunner(stage, StageOptim(lr=m.train.lr, grad_clip=m.train.grad_clip),
-                             max_in_flight=2 * self.M)
+                             max_in_flight=self.inbox.capacity)
         self.progress.params = sum(p.numel() for p in stage.parameters())
         batches = None
         if s == 0:
@@ -442,7 +443,8 @@ class PipelineService:
                            ready=lambda: placement.complete(self.stage_map()),
                            device=self.device, first_step=self._swarm_step(),
                            leader_step=self._leader_step, layers=self.layers, swap=self.swap,
-                           last_hosts=self._last_hosts)
+                           last_hosts=self._last_hosts, origin=self._ctx.peer_id,
+                           arrivals=self._arrivals)
 
     def _leader_step(self) -> int:
         """The highest step a live stage host reports (heartbeats): a first stage behind
@@ -461,6 +463,16 @@ class PipelineService:
         return len({placement.last_replica(self.m.run.seed, step, k, r,
                                            [counts[v.stage] for v in path], p.routing)
                     for k, path in enumerate(self.paths) for r in range(counts[0])})
+
+    def _arrivals(self, step: int) -> int:
+        """How many visits of `step` reach this host (trainer thread; placement.arrivals)."""
+        smap, ctx, p = self.stage_map(), self._ctx, self.m.pipeline
+        assert ctx is not None and p is not None and self.stage is not None
+        row = smap[self.stage]
+        return placement.arrivals(self.m.run.seed, step, [[v.stage for v in path] for path
+                                                          in self.paths], [len(r) for r in smap],
+                                  p.routing, self.stage,
+                                  row.index(ctx.peer_id) if ctx.peer_id in row else 0)
 
     def _swarm_step(self) -> int:
         """Where a stage that starts late starts counting: the swarm's step (a driver that
@@ -780,7 +792,7 @@ class PipelineService:
     def _on_lost(self, msg: Outgoing, reason: str) -> None:
         self.counters[f"lost {msg.kind}"] += 1
         if msg.kind in ("act", "tgt"):  # our micro-batch will not come back
-            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason))
+            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason, msg.origin))
 
     def _lane_host(self) -> str | None:
         """Where we listen for a sender's bulk lane; None (no lanes) where a sender could
