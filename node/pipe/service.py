@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.lane import listen_host
-from node.pipe import placement, stage_ckpt
+from node.pipe import convergence, placement, stage_ckpt
+from node.pipe.convergence import FRESH_S
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
 from node.pipeline.schedule import hops
 from protocols import manifest as mf
@@ -50,7 +51,6 @@ SETTLE_S = 3.0  # the stage map must hold this long before training starts
 FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
 JOIN_TIMEOUT_S = 30.0
 FETCH_TRIES = 3
-FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
 STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
 
@@ -129,9 +129,14 @@ class PipelineService:
                 if age is None or (age <= FRESH_S and age - freshest <= margin)]
 
     def swarm_step(self) -> int:
-        """The highest step a fresh live peer reports."""
-        steps = [(e.info.get("stats") or {}).get("step") for e in self.live()]
-        return max((x for x in steps if type(x) is int), default=0)
+        """The highest step a fresh live peer reports that the trained others (ours
+        included) confirm (convergence.confirmed_step): a first stage behind it jumps
+        to it, a stage that starts late starts there."""
+        claims = {e.peer_id: s for e in self.live()
+                  if type(s := (e.info.get("stats") or {}).get("step")) is int}
+        if self.training and self._ctx is not None:
+            claims[self._ctx.peer_id] = self.progress.step
+        return convergence.confirmed_step(claims, self.settled())
 
     def hosts(self, first_choice: bool = False) -> dict[str, int]:
         """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
@@ -312,20 +317,32 @@ class PipelineService:
             self._nursery.start_soon(exchange)
 
     async def _follow_membership(self, ctx: NodeContext) -> None:
-        """Keep the stage choice in line with the live view (placement.rebalance)."""
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
-            move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
-                                       training=self.training, settled=self.settled(),
-                                       uptime=self.uptimes())
-            if move is None:
-                continue
-            if not self.training:
-                self._set_stage(move)
-            elif self._move_to is None and self.worker is not None:
-                log.warning("pipeline: stage %d has no live host; this node (stage %s, "
-                            "which keeps %d more) takes it over", move, self.stage,
-                            len(self.stage_map()[self.stage or 0]) - 1)
+            self._follow_once()
+
+    def _follow_once(self) -> None:
+        """Keep the stage choice in line with the live view (placement.rebalance); a
+        takeover only of a stage nobody heard lately hosts (convergence.recent_hosts)."""
+        ctx = self._ctx
+        assert ctx is not None
+        move = placement.rebalance(ctx.peer_id, self.hosts(), self.n, training=self.training,
+                                   settled=self.settled(), uptime=self.uptimes())
+        if move is None:
+            return
+        if not self.training:
+            self._set_stage(move)
+        elif self._move_to is None and self.worker is not None:
+            heard = ctx.membership.book.live(time.monotonic() - (FRESH_S - ctx.config.peer_ttl_s))
+            recent = convergence.recent_hosts(heard, move)
+            if recent:
+                self.counters["refused: takeover"] += 1
+                log.info("pipeline: stage %d has no live host in this view, but %s was "
+                         "heard within %.0f s: not taking it over", move, recent, FRESH_S)
+            else:
+                log.warning("pipeline: stage %d has no host heard within %.0f s; this node "
+                            "(stage %s, which keeps %d more) takes it over", move, FRESH_S,
+                            self.stage, len(self.stage_map()[self.stage or 0]) - 1)
                 self._move_to = move
                 self._stop.set()
 
@@ -441,16 +458,10 @@ class PipelineService:
         return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
-                           device=self.device, first_step=self._swarm_step(),
-                           leader_step=self._leader_step, layers=self.layers, swap=self.swap,
+                           device=self.device, first_step=self.swarm_step(),
+                           leader_step=self.swarm_step, layers=self.layers, swap=self.swap,
                            last_hosts=self._last_hosts, origin=self._ctx.peer_id,
                            arrivals=self._arrivals)
-
-    def _leader_step(self) -> int:
-        """The highest step a live stage host reports (heartbeats): a first stage behind
-        it (a late replica, one restarted from the seed) would send only stale work."""
-        assert self._ctx is not None
-        return self.swarm_step()
 
     def _last_hosts(self, step: int) -> int:
         """How many last-stage hosts get micro-batches of `step` from some first-stage
@@ -473,12 +484,6 @@ class PipelineService:
                                                           in self.paths], [len(r) for r in smap],
                                   p.routing, self.stage,
                                   row.index(ctx.peer_id) if ctx.peer_id in row else 0)
-
-    def _swarm_step(self) -> int:
-        """Where a stage that starts late starts counting: the swarm's step (a driver that
-        started at 0 would send micro-batches every other stage refuses as stale)."""
-        assert self._ctx is not None
-        return self.swarm_step()
 
     def _batches(self) -> Any:
         import torch
