@@ -198,7 +198,8 @@ class Outbox:
 
     def __init__(self, substrate: Any, run_id: str, capacity: int,
                  on_lost: Callable[[Outgoing, str], None], *, lanes: bool = True,
-                 path_of: Callable[[str], str] = lambda peer: "direct") -> None:
+                 path_of: Callable[[str], str] = lambda peer: "direct",
+                 stalls: Any = None) -> None:
         self.substrate = substrate
         self.run_id = run_id
         self.capacity = capacity
@@ -215,6 +216,8 @@ class Outbox:
         self._nursery: trio.Nursery | None = None
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # peer -> failed writes
+        # node/pipe/fetch.Stalls: a peer whose streams only time out gets a fresh connection
+        self.stalls = stalls
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -258,8 +261,12 @@ class Outbox:
                 self.counters[f"sent bytes {msg.kind}"] += sum(
                     len(memoryview(c).cast("B")) for c in chunks[2:])
                 self.counters["write_ms"] += int((time.monotonic() - t0) * 1000)
+                if self.stalls is not None:
+                    self.stalls.ok(peer)
             except Exception as e:  # a dead or slow peer: this message and the queue lost
                 self.failures[peer] += 1
+                if isinstance(e, trio.TooSlowError) and self.stalls is not None:
+                    await self.stalls.timed_out(peer)
                 log.info("pipe to %s failed (%r): %s of step %d micro-batch %d lost", peer, e,
                          msg.kind, msg.step, msg.mb)
                 self.on_lost(msg, f"send to {peer} failed: {e!r}")
