@@ -231,7 +231,7 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
     sent = sent if sent is not None else []
 
     def post_from(src: int):
-        def post(to, kind, stage, step, mb, hop, tensor, origin=""):
+        def post(to, kind, stage, step, mb, hop, tensor, origin):
             sent.append((src, kind, stage, mb, hop))
             dest = stage  # one host per stage: the receiver's stage names it
             if to[0] == "peer":
@@ -334,7 +334,7 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     workers, progress, stop = wire_pipeline(3)
     post = workers[2].post
 
-    def corrupt(to, kind, stage, step, mb, hop, tensor, origin=""):
+    def corrupt(to, kind, stage, step, mb, hop, tensor, origin):
         if kind == "grad" and mb == 0:
             tensor = tensor[:1]
         post(to, kind, stage, step, mb, hop, tensor, origin)
@@ -356,7 +356,7 @@ def test_a_first_stage_behind_the_swarm_gives_its_step_up_at_once():
     tied_steps = []
     post = driver.post
 
-    def record(to, kind, stage, step, mb, hop, tensor, origin=""):
+    def record(to, kind, stage, step, mb, hop, tensor, origin):
         if kind == "tied":
             tied_steps.append(step)
         post(to, kind, stage, step, mb, hop, tensor, origin)
@@ -382,7 +382,7 @@ def test_a_first_stage_waits_for_the_head_gradient_of_every_last_stage_host():
     add = driver.runner.stage.add_tied_grad
     driver.runner.stage.add_tied_grad = lambda g: (added.append(float(g[0, 0])), add(g))
 
-    def last_stage(to, kind, stage, step, mb, hop, tensor, origin=""):  # answers at once
+    def last_stage(to, kind, stage, step, mb, hop, tensor, origin):  # answers at once
         if kind == "act":
             driver.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), "1", 0))
             if mb == driver.M - 1:  # both hosts finish the step; X's gradient comes twice
@@ -432,7 +432,7 @@ def serve_two_origins(worker, messages, grads_for=None):
     gradient from `grads_for`'s sender; what it posted."""
     posted: list[tuple] = []
 
-    def post(to, kind, stage, step, mb, hop, tensor, origin=""):
+    def post(to, kind, stage, step, mb, hop, tensor, origin):
         posted.append((to, kind, step, mb, hop, origin))
         if kind == "act" and grads_for is not None:
             worker.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), grads_for,

@@ -385,7 +385,8 @@ class StageWorker:
             came_from.clear()
             if done:
                 if self.runner.stage.is_last and r.stage.tied_grad() is not None:
-                    self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach())
+                    self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach(),
+                              "")
                     r.stage.tied.grad = None
                 with self.lock:
                     r.step()
