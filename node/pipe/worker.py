@@ -8,7 +8,7 @@ the peer). It never waits without a deadline:
   each one's activations to the next stage and its targets to the last stage, then waits
   for the gradients (and the last stage's head gradient) until the step's deadline; what
   has not come back by then is dropped (`StageRunner.drop`), the rest steps. A step that
-  got nothing back is not one: the counter stays (it cannot run away). It then
+  got nothing back lasts at least MIN_WAIT_S (the counter cannot run away). It then
   sends the updated tied matrix to the last stage. A message for a later step (another
   first-stage replica's, relayed) means the stages after it moved on: it gives up the
   step at once and joins theirs (replicas one step apart lost every step otherwise).
@@ -312,19 +312,19 @@ class StageWorker:
             self.progress.grad_norm = round(r.grad_norm, 6)
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
-        if not done and not ahead:
-            # Nothing came back: no step was taken, so the counter stays, and a step whose
-            # micro-batches were all lost at once (a full or failed send) is retried no
-            # sooner than MIN_WAIT_S after it began. Counting such steps let one first
-            # stage's counter run from 251 to 7055 in 3 minutes (issue 27).
-            self.stop.wait(max(0.0, t0 + MIN_WAIT_S - time.monotonic()))
-            return
         self.step = max(t + 1, ahead)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, self.step, 0,
                   self.n_stages - 1, r.stage.wte.weight.detach(), self.origin)
         self.progress.step = self.step
         self._after_step(self.step)
         self._timed(t0, last_back)
+        if not done and not ahead:
+            # Nothing came back (every micro-batch lost at once: a full or failed send):
+            # the next step begins no sooner than MIN_WAIT_S after this one did. Unpaced,
+            # one first stage's counter ran from 251 to 7055 in 3 minutes (issue 27). The
+            # step still counts, and the tied matrix still goes: a last stage waits for it
+            # before each step, and withholding it stalled a rebuilt last stage for good.
+            self.stop.wait(max(0.0, t0 + MIN_WAIT_S - time.monotonic()))
 
     def _visit(self, item: Message, came_from: dict[Key, str], seen: set[Key]) -> None:
         """Activations in for a visit that is not the micro-batch's last: forward, on to
