@@ -73,9 +73,18 @@ def test_routing_without_torch_is_the_schedule_s_routing():
         schedule.path(7, 0, 1, len(counts), 3, 0)[-1]
 
 
-def test_unequal_replica_counts_route_by_index():
-    assert pl.next_replica(0, 0, 0, 0, 2, 3, 2, "random") == 0
-    assert pl.next_replica(0, 0, 0, 0, 1, 3, 2, "random") == 1
+def test_unequal_replica_counts_spread_over_every_next_replica():
+    """One host left where the next stage has two: its micro-batches alternate between
+    them (as `replica % there` every one went to the first, and the other froze)."""
+    assert [pl.next_replica(0, 0, k, 0, 0, 1, 2, "random") for k in range(4)] == [0, 1, 0, 1]
+    assert [pl.next_replica(0, 0, k, 0, r, 2, 1, "random")
+            for k in range(2) for r in range(2)] == [0, 0, 0, 0]
+    # 2 -> 3 and 3 -> 2: each next replica gets as many of a step's micro-batches
+    for here, there in ((2, 3), (3, 2)):
+        got = [pl.next_replica(0, 0, k, 0, r, here, there, "random")
+               for k in range(6) for r in range(here)]
+        assert sorted(got.count(q) for q in range(there)) == [len(got) // there] * there
+    assert pl.next_replica(0, 0, 1, 0, 0, 1, 2, "fixed") == 0  # fixed routing stays
 
 
 def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it():
@@ -183,10 +192,11 @@ def test_each_replica_gets_one_of_each_visit_and_a_survivor_gets_the_lost_share(
         # as many hosts everywhere: the route is a permutation, one of each per replica
         assert [pl.arrivals(7, step, paths, [2, 2, 2], "random", s, r)
                 for s in (1, 2) for r in (0, 1)] == [4, 4, 4, 4]
-        # stage 1 lost a replica: its survivor serves both origins' micro-batches
+        # stage 1 lost a replica: its survivor serves both origins' micro-batches, and
+        # hands them on to both stage-2 replicas alike
         assert pl.arrivals(7, step, paths, [2, 1, 2], "random", 1, 0) == 8
-        assert sum(pl.arrivals(7, step, paths, [2, 1, 2], "random", 2, r)
-                   for r in (0, 1)) == 8
+        assert [pl.arrivals(7, step, paths, [2, 1, 2], "random", 2, r)
+                for r in (0, 1)] == [4, 4]
     # CheckFree+'s swap: micro-batch 1 visits stage 0 a second time (0 -> 1 -> 0 -> 2)
     assert pl.arrivals(7, 0, [[0, 1, 2], [0, 1, 0, 2]], [1, 1, 1], "random", 0, 0) == 1
 

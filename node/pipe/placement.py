@@ -12,7 +12,7 @@ host at all (CheckFree rebuilds it there), never to even out replicas.
 Routing between replicas (node/pipeline/schedule.py): replicas of a stage are numbered by
 sorted peer id; with as many replicas at the next hop's stage, micro-batch k leaving hop h
 goes to `route(seed, step, k, h, R)[r]`; with a different count (churn), replica
-r % R_next.
+(k x R_here + r) % R_next, so that every replica of the next stage gets micro-batches.
 """
 
 from __future__ import annotations
@@ -90,9 +90,14 @@ def next_replica(seed: int, step: int, micro_batch: int, hop: int, replica: int,
                  here: int, there: int, routing: str) -> int:
     """The replica of hop + 1's stage (`there` hosts) that replica `replica` of hop's stage
     (`here` hosts) sends `micro_batch` to (schedule.hops: without CheckFree+'s swap, hop
-    h is stage h)."""
+    h is stage h). With unequal counts, (micro_batch x here + replica) % there: each
+    micro-batch index shifts the senders by `here`, so all `there` replicas get work. As
+    `replica % there` it sent nothing to the other replicas of a stage that kept more
+    hosts than the one before it (issue 27: a last-stage replica froze)."""
     if routing == "random" and here == there and there > 1:
         return route(seed, step, micro_batch, hop, there)[replica]
+    if routing == "random" and here != there:
+        return (micro_batch * here + replica) % there
     return replica % there
 
 
