@@ -488,3 +488,84 @@ def test_the_last_stage_pairs_activations_and_targets_of_the_same_origin():
                                          ("pb", 1, "B")]
     assert (last.stats.micro_batches, last.stats.stale) == (4, 0)
     assert [kind for _, kind, *_ in posted].count("tgrad") == 1
+
+
+def wire_replicas(counts: list[int], micro_batches: int = 4, seed: int = 0):
+    """Workers for `counts[s]` replicas of each stage, one thread each, their messages
+    routed as the service routes them (placement: next_replica, last_replica, the tied
+    matrix from first-stage replica r to the last replicas q with q % R0 == r), each
+    serving stage told its step's arrivals (placement.arrivals)."""
+    from node.pipe import placement
+    from node.pipeline.runner import StageOptim, StageRunner
+    from node.pipeline.stages import build_stages
+    from node.trainer.models import GPTConfig
+
+    n, M = len(counts), micro_batches
+    smap = [[f"s{s}r{r}" for r in range(c)] for s, c in enumerate(counts)]
+    config = GPTConfig(d_model=16, n_layers=n, n_heads=2, context=16)
+    inboxes = {p: Inbox(4 * M + 8) for row in smap for p in row}
+    stop = threading.Event()
+    text = torch.tensor(list(b"abcabcabcabcabcabcabcabc" * 40))
+    paths = [list(range(n))] * M
+    workers: dict[str, StageWorker] = {}
+
+    class Progress:
+        phase, step, loss, compute_s = "", 0, None, 0.0
+
+    def post_from(me: str, s: int, r: int):
+        def post(to, kind, stage, step, mb, hop, tensor, origin):
+            if to[0] == "peer":
+                peers = [to[1]]
+            elif to[0] == "next":
+                h = to[3]
+                q = placement.next_replica(seed, step, mb, h, r, counts[h], counts[h + 1],
+                                           "random")
+                peers = [smap[h + 1][q]]
+            elif to[0] == "last":
+                peers = [smap[-1][placement.last_replica(seed, step, mb, r, counts, "random")]]
+            elif kind == "tied":
+                peers = [q for i, q in enumerate(smap[-1]) if i % counts[0] == r]
+            else:
+                peers = list(smap[to[1]])
+            for p in peers:
+                inboxes[p].offer(Message(kind, step, mb, tensor.detach().clone(), me, hop,
+                                         origin))
+        return post
+
+    for s, row in enumerate(smap):
+        for r, me in enumerate(row):
+            built = build_stages(config, [1] * n, seed=0)
+            built[-1].set_tied(built[0].wte.weight)
+            gen = torch.Generator().manual_seed(r)
+
+            def batches(gen=gen):
+                ix = torch.randint(0, len(text) - 17, (4,), generator=gen)
+                w = torch.stack([text[i:i + 17] for i in ix])
+                return w[:, :-1], w[:, 1:]
+
+            workers[me] = StageWorker(
+                StageRunner(built[s], StageOptim(lr=3e-3), max_in_flight=4 * M + 8), n, M,
+                inboxes[me], post_from(me, s, r), stop, progress=Progress(),
+                batches=batches if s == 0 else None, first_wait_s=30.0, layers=[1] * n,
+                origin=me, last_hosts=lambda step: len({
+                    placement.last_replica(seed, step, k, q, counts, "random")
+                    for k in range(M) for q in range(counts[0])}),
+                arrivals=lambda step, s=s, r=r: placement.arrivals(
+                    seed, step, paths, counts, "random", s, r),
+                leader_step=lambda: max(workers[p].step for p in smap[0]))
+    return workers, stop
+
+
+def test_a_stage_left_with_one_of_two_replicas_serves_both_and_feeds_both_next():
+    """3 stages, 2 replicas of the first and the last, one of stage 1 (its other host
+    lost). The survivor serves both first-stage replicas' micro-batches (keyed by
+    (micro-batch, visit) the second of each index was stale: 2.2 -> 0.2 steps/s, issue 27)
+    and hands them on to both last-stage replicas (as `r % R_next` one got nothing and
+    froze). Every worker trains."""
+    workers, stop = wire_replicas([2, 1, 2])
+    first = [workers["s0r0"], workers["s0r1"]]
+    run_until(list(workers.values()), stop, lambda: min(w.step for w in first) >= 8)
+    lone = workers["s1r0"]
+    assert lone.stats.micro_batches > max(w.stats.micro_batches for w in first)
+    assert all(workers[p].stats.micro_batches > 0 for p in ("s2r0", "s2r1"))
+    assert lone.stats.stale <= 2  # a late message under load, never one per step
