@@ -3,8 +3,8 @@
 One stream per (sender, receiver) pair carries a sequence of messages, each a wire
 envelope followed by one tensor frame (protocols/wire.py, docs/pipeline.md):
 
-    pipe.act   {run, stage, step, mb, shape, dtype[, hop]}   then tensor frame "x"
-    pipe.grad  {run, stage, step, mb, shape, dtype[, hop]}   then tensor frame "g"
+    pipe.act   {run, stage, step, mb, shape, dtype[, hop][, origin]}   then tensor frame "x"
+    pipe.grad  {run, stage, step, mb, shape, dtype[, hop][, origin]}   then tensor frame "g"
     pipe.tgt   (first -> last stage) a micro-batch's target token ids, int64 [b, seq, 1]
     pipe.tgrad (last -> first) the tied head's gradient, [1, vocab, d_model], mb 0
     pipe.tied  (first -> last) the updated tied matrix for `step`, [1, vocab, d_model]
@@ -24,7 +24,10 @@ hop + 1. Absent, it is `stage`: in stage order (no CheckFree+ swap) hop h is sta
 activations come from stage - 1, gradients from stage + 1. With the swap a first or last
 stage is visited twice per odd micro-batch, and the hop says which visit. `step` and `mb`
 (micro-batch) name the micro-batch, so the receiver files it and the backward pass finds
-its saved activations. On the wire every
+its saved activations; `origin` (the first-stage replica that cut it, its peer id) tells
+apart the micro-batches of one index and step that two first-stage replicas cut: a stage
+with fewer hosts than the first gets both. Absent, it is "" (one first-stage host, or a
+sender from before it existed). On the wire every
 tensor is bfloat16 (half fp32's bytes; seq x d_model x 2 B per sequence and boundary, spec
 §1e), codec "raw", shape (batch, seq, d_model).
 
@@ -76,6 +79,7 @@ MAX_TENSOR_BYTES: Final = 256 << 20  # the format's ceiling; a receiver's own is
 MAX_STEP: Final = 2**62
 MAX_MICRO_BATCHES: Final = 4096  # as the manifest allows
 RUN_ID_MAX: Final = 64
+ORIGIN_MAX: Final = 128  # a peer id in base58 (52 characters for an Ed25519 key)
 
 Kind = Literal["act", "grad", "tgt", "tgrad", "tied"]
 _TYPES: Final = {"act": "pipe.act", "grad": "pipe.grad", "tgt": "pipe.tgt",
@@ -85,6 +89,7 @@ _NAMES: Final = {"act": "x", "grad": "g", "tgt": "y", "tgrad": "tg", "tied": "w"
 TARGET_DTYPE: Final = "int64"
 ALL_KINDS: Final = frozenset(_TYPES)
 _BODY_KEYS: Final = frozenset({"run", "stage", "step", "mb", "shape", "dtype"})
+_OPTIONAL_KEYS: Final = frozenset({"hop", "origin"})
 MAX_HOPS: Final = 2 * 256  # each of at most 256 stages visited at most twice
 
 #: The ceilings of a pipe stream; a receiver narrows the tensor bound to its Expect.
@@ -146,6 +151,7 @@ class MessageHeader:
     mb: int
     shape: tuple[int, int, int]
     hop: int  # the visit it is for; `stage` where the sender gave none
+    origin: str = ""  # the first-stage replica that cut the micro-batch; "" where not given
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +212,7 @@ def parse_lane_reply(env: Any) -> tuple[int, bytes] | str:
 
 
 def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.Tensor,
-           hop: int | None = None) -> list[bytes | memoryview]:
+           hop: int | None = None, origin: str = "") -> list[bytes | memoryview]:
     """The gather list for one message: the tensor is cast to bfloat16 (a copy) first;
     targets ("tgt": token ids (batch, seq)) travel as int64 (batch, seq, 1), the tied
     matrix and its gradient (vocab, d_model) as (1, vocab, d_model)."""
@@ -227,6 +233,8 @@ def encode(kind: Kind, run: str, stage: int, step: int, mb: int, tensor: torch.T
             "dtype": dtype}
     if hop is not None and hop != stage:
         body["hop"] = hop
+    if origin:
+        body["origin"] = origin
     problem = _body_problem(body)
     if problem:
         raise LocalProtocolError(problem)
@@ -311,7 +319,7 @@ class PipeReceiver:
             raise RemoteProtocolError(f"envelope id {env.id} is not the micro-batch {body['mb']}")
         self._pending = MessageHeader(kind, body["run"], body["stage"], body["step"],
                                       body["mb"], tuple(body["shape"]),  # type: ignore[arg-type]
-                                      body.get("hop", body["stage"]))
+                                      body.get("hop", body["stage"]), body.get("origin", ""))
         self.state = State.TENSOR
         return None
 
@@ -398,10 +406,13 @@ def _dtype(kind: str) -> str:
 
 def _body_problem(body: Any) -> str | None:
     """Types and ranges of an envelope body, before anything is looked up by it."""
-    if not isinstance(body, dict) or set(body) - {"hop"} != _BODY_KEYS:
+    if not isinstance(body, dict) or set(body) - _OPTIONAL_KEYS != _BODY_KEYS:
         keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
-        return (f"pipe body must have exactly {sorted(_BODY_KEYS)} (and maybe hop), "
+        return (f"pipe body must have exactly {sorted(_BODY_KEYS)} (and maybe hop, origin), "
                 f"got {_short(keys)}")
+    origin = body.get("origin", "x")
+    if type(origin) is not str or not 1 <= len(origin) <= ORIGIN_MAX:
+        return f"origin must be a peer id of 1..{ORIGIN_MAX} characters, got {_short(origin)}"
     run = body["run"]
     if type(run) is not str or not 1 <= len(run) <= RUN_ID_MAX:
         return f"run must be a run-id string, got {_short(run)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -18,6 +19,7 @@ from node.pipe.links import Inbox, Lost, Message, Outbox, Outgoing, serve_stream
 from node.pipe.worker import StageWorker
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
+from tests.conftest import wait_until
 
 RUN = "QmbJita7vMGEyqez8hwZgqt4fSbGk5bKTtbDPt9xfmR8G5"
 EXPECT = pipe.Expect(RUN, 2, 8, 4, 16, 4)  # an interior stage: act from 1, grad from 3
@@ -229,16 +231,17 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
     sent = sent if sent is not None else []
 
     def post_from(src: int):
-        def post(to, kind, stage, step, mb, hop, tensor):
+        def post(to, kind, stage, step, mb, hop, tensor, origin):
             sent.append((src, kind, stage, mb, hop))
             dest = stage  # one host per stage: the receiver's stage names it
             if to[0] == "peer":
                 assert int(to[1]) == stage  # gradients go back to whoever sent the input
             if dest == dead:
                 if kind in ("act", "tgt"):
-                    inboxes[src].offer(Lost(kind, step, mb, f"stage {dead} is dead"))
+                    inboxes[src].offer(Lost(kind, step, mb, f"stage {dead} is dead", origin))
                 return
-            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src), hop))
+            inboxes[dest].offer(Message(kind, step, mb, tensor.detach().clone(), str(src), hop,
+                                        origin))
         return post
 
     for s in range(stages):
@@ -310,10 +313,18 @@ def test_with_checkfree_plus_odd_micro_batches_visit_the_edge_stages_in_swapped_
     assert all(w.stats.steps >= 30 for w in workers[1:])
 
 
-def test_a_dead_stage_costs_micro_batches_never_a_stall():
+def test_a_dead_stage_costs_micro_batches_never_a_stall_and_its_steps_are_paced():
+    """Every micro-batch lost at once (the next stage is dead): the driver goes on, but
+    begins its next step no sooner than MIN_WAIT_S after the last one began. Unpaced, a
+    first stage's counter ran from 251 to 7055 in 3 minutes and the other stages jumped
+    to it (issue 27)."""
+    from node.pipe.worker import MIN_WAIT_S
+
     workers, progress, stop = wire_pipeline(3, dead=1)
-    run_until(workers, stop, lambda: progress[0].step >= 3)
-    assert workers[0].stats.dropped >= 3 * 2  # every micro-batch of those steps lost
+    t0 = time.monotonic()
+    run_until(workers, stop, lambda: progress[0].step >= 2)
+    assert time.monotonic() - t0 >= MIN_WAIT_S  # the second step began MIN_WAIT_S later
+    assert workers[0].stats.dropped >= 2 * 2  # every micro-batch of those steps lost
     assert workers[0].stats.micro_batches == 0
 
 
@@ -323,10 +334,10 @@ def test_a_gradient_that_does_not_fit_its_micro_batch_costs_that_micro_batch_onl
     workers, progress, stop = wire_pipeline(3)
     post = workers[2].post
 
-    def corrupt(to, kind, stage, step, mb, hop, tensor):
+    def corrupt(to, kind, stage, step, mb, hop, tensor, origin):
         if kind == "grad" and mb == 0:
             tensor = tensor[:1]
-        post(to, kind, stage, step, mb, hop, tensor)
+        post(to, kind, stage, step, mb, hop, tensor, origin)
     workers[2].post = corrupt
     run_until(workers, stop, lambda: progress[0].step >= 3)
     assert workers[1].stats.dropped >= 3 and "refused" in workers[1].stats.last_reason
@@ -345,10 +356,10 @@ def test_a_first_stage_behind_the_swarm_gives_its_step_up_at_once():
     tied_steps = []
     post = driver.post
 
-    def record(to, kind, stage, step, mb, hop, tensor):
+    def record(to, kind, stage, step, mb, hop, tensor, origin):
         if kind == "tied":
             tied_steps.append(step)
-        post(to, kind, stage, step, mb, hop, tensor)
+        post(to, kind, stage, step, mb, hop, tensor, origin)
     driver.post = record
     wte = driver.runner.stage.wte.weight
     driver.inbox.offer(Message("tgrad", 5, 0, torch.zeros_like(wte), "1", 0))
@@ -371,7 +382,7 @@ def test_a_first_stage_waits_for_the_head_gradient_of_every_last_stage_host():
     add = driver.runner.stage.add_tied_grad
     driver.runner.stage.add_tied_grad = lambda g: (added.append(float(g[0, 0])), add(g))
 
-    def last_stage(to, kind, stage, step, mb, hop, tensor):  # answers at once
+    def last_stage(to, kind, stage, step, mb, hop, tensor, origin):  # answers at once
         if kind == "act":
             driver.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), "1", 0))
             if mb == driver.M - 1:  # both hosts finish the step; X's gradient comes twice
@@ -411,3 +422,150 @@ def test_a_rebuild_weighs_the_neighbours_by_their_norms_with_a_fresh_boosted_ada
         torch.testing.assert_close(got[k], w0 * prev[k] + w2 * nxt[k])
     assert mid.runner.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 1.1)
     assert not mid.runner.optimizer.state  # fresh moments
+
+
+# -- micro-batches named by their origin --------------------------------------------------
+
+def serve_two_origins(worker, messages, grads_for=None):
+    """Run `worker` (a serving stage told that a step brings it both first-stage
+    replicas' micro-batches) on `messages`, answering each activation it forwards with a
+    gradient from `grads_for`'s sender; what it posted."""
+    posted: list[tuple] = []
+
+    def post(to, kind, stage, step, mb, hop, tensor, origin):
+        posted.append((to, kind, step, mb, hop, origin))
+        if kind == "act" and grads_for is not None:
+            worker.inbox.offer(Message("grad", step, mb, torch.ones_like(tensor), grads_for,
+                                       hop - 1, origin))
+    worker.post = post
+    worker.arrivals = lambda step: 2 * worker.M
+    for m in messages:
+        worker.inbox.offer(m)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: worker.stats.steps >= 1, 60, "the stage's step")
+    finally:
+        worker.stop.set()
+        thread.join(30)
+    return posted
+
+
+def test_micro_batches_of_one_index_from_two_first_stage_replicas_both_go_through():
+    """Two first-stage replicas, one host left at stage 1: it gets micro-batch 0 of step 0
+    from both. Keyed by (micro-batch, visit) the second was a duplicate, refused as stale
+    every step (issue 27: 2.2 -> 0.2 steps/s after one replica of a 3x2 pipeline died);
+    keyed by origin both are served, each gradient goes back to its own sender, and the
+    stage steps once all four are back, not after its deadline."""
+    workers, _, _ = wire_pipeline(3)
+    mid = workers[1]
+    x = torch.randn(2, 16, 16)
+    acts = [Message("act", 0, mb, x + i, sender, 1, origin)
+            for i, (sender, origin) in enumerate((("pa", "A"), ("pb", "B")))
+            for mb in range(2)]
+    posted = serve_two_origins(mid, acts, grads_for="p2")
+    assert sorted((to[1], mb, origin) for to, kind, _, mb, _, origin in posted
+                  if kind == "grad") == [("pa", 0, "A"), ("pa", 1, "A"), ("pb", 0, "B"),
+                                         ("pb", 1, "B")]
+    assert sorted((mb, origin) for _, kind, _, mb, _, origin in posted
+                  if kind == "act") == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
+    assert (mid.stats.micro_batches, mid.stats.stale, mid.stats.dropped) == (4, 0, 0)
+    assert mid.runner.in_flight == 0
+
+
+def test_the_last_stage_pairs_activations_and_targets_of_the_same_origin():
+    workers, _, _ = wire_pipeline(2)
+    last = workers[1]
+    x, y = torch.randn(2, 16, 16), torch.randint(0, 256, (2, 16))
+    msgs = []
+    for sender, origin in (("pa", "A"), ("pb", "B")):
+        for mb in range(2):
+            msgs += [Message("act", 0, mb, x, sender, 1, origin),
+                     Message("tgt", 0, mb, y, sender, 1, origin)]
+    posted = serve_two_origins(last, msgs)
+    assert sorted((to[1], mb, origin) for to, kind, _, mb, _, origin in posted
+                  if kind == "grad") == [("pa", 0, "A"), ("pa", 1, "A"), ("pb", 0, "B"),
+                                         ("pb", 1, "B")]
+    assert (last.stats.micro_batches, last.stats.stale) == (4, 0)
+    assert [kind for _, kind, *_ in posted].count("tgrad") == 1
+
+
+def wire_replicas(counts: list[int], micro_batches: int = 4, seed: int = 0):
+    """Workers for `counts[s]` replicas of each stage, one thread each, their messages
+    routed as the service routes them (placement: next_replica, last_replica, the tied
+    matrix from first-stage replica r to the last replicas q with q % R0 == r), each
+    serving stage told its step's arrivals (placement.arrivals)."""
+    from node.pipe import placement
+    from node.pipeline.runner import StageOptim, StageRunner
+    from node.pipeline.stages import build_stages
+    from node.trainer.models import GPTConfig
+
+    n, M = len(counts), micro_batches
+    smap = [[f"s{s}r{r}" for r in range(c)] for s, c in enumerate(counts)]
+    config = GPTConfig(d_model=16, n_layers=n, n_heads=2, context=16)
+    inboxes = {p: Inbox(4 * M + 8) for row in smap for p in row}
+    stop = threading.Event()
+    text = torch.tensor(list(b"abcabcabcabcabcabcabcabc" * 40))
+    paths = [list(range(n))] * M
+    workers: dict[str, StageWorker] = {}
+
+    class Progress:
+        phase, step, loss, compute_s = "", 0, None, 0.0
+
+    def post_from(me: str, s: int, r: int):
+        def post(to, kind, stage, step, mb, hop, tensor, origin):
+            if to[0] == "peer":
+                peers = [to[1]]
+            elif to[0] == "next":
+                h = to[3]
+                q = placement.next_replica(seed, step, mb, h, r, counts[h], counts[h + 1],
+                                           "random")
+                peers = [smap[h + 1][q]]
+            elif to[0] == "last":
+                peers = [smap[-1][placement.last_replica(seed, step, mb, r, counts, "random")]]
+            elif kind == "tied":
+                peers = [q for i, q in enumerate(smap[-1]) if i % counts[0] == r]
+            else:
+                peers = list(smap[to[1]])
+            for p in peers:
+                inboxes[p].offer(Message(kind, step, mb, tensor.detach().clone(), me, hop,
+                                         origin))
+        return post
+
+    for s, row in enumerate(smap):
+        for r, me in enumerate(row):
+            built = build_stages(config, [1] * n, seed=0)
+            built[-1].set_tied(built[0].wte.weight)
+            gen = torch.Generator().manual_seed(r)
+
+            def batches(gen=gen):
+                ix = torch.randint(0, len(text) - 17, (4,), generator=gen)
+                w = torch.stack([text[i:i + 17] for i in ix])
+                return w[:, :-1], w[:, 1:]
+
+            workers[me] = StageWorker(
+                StageRunner(built[s], StageOptim(lr=3e-3), max_in_flight=4 * M + 8), n, M,
+                inboxes[me], post_from(me, s, r), stop, progress=Progress(),
+                batches=batches if s == 0 else None, first_wait_s=30.0, layers=[1] * n,
+                origin=me, last_hosts=lambda step: len({
+                    placement.last_replica(seed, step, k, q, counts, "random")
+                    for k in range(M) for q in range(counts[0])}),
+                arrivals=lambda step, s=s, r=r: placement.arrivals(
+                    seed, step, paths, counts, "random", s, r),
+                leader_step=lambda: max(workers[p].step for p in smap[0]))
+    return workers, stop
+
+
+def test_a_stage_left_with_one_of_two_replicas_serves_both_and_feeds_both_next():
+    """3 stages, 2 replicas of the first and the last, one of stage 1 (its other host
+    lost). The survivor serves both first-stage replicas' micro-batches (keyed by
+    (micro-batch, visit) the second of each index was stale: 2.2 -> 0.2 steps/s, issue 27)
+    and hands them on to both last-stage replicas (as `r % R_next` one got nothing and
+    froze). Every worker trains."""
+    workers, stop = wire_replicas([2, 1, 2])
+    first = [workers["s0r0"], workers["s0r1"]]
+    run_until(list(workers.values()), stop, lambda: min(w.step for w in first) >= 8)
+    lone = workers["s1r0"]
+    assert lone.stats.micro_batches > max(w.stats.micro_batches for w in first)
+    assert all(workers[p].stats.micro_batches > 0 for p in ("s2r0", "s2r1"))
+    assert lone.stats.stale <= 2  # a late message under load, never one per step

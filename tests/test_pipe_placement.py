@@ -73,9 +73,18 @@ def test_routing_without_torch_is_the_schedule_s_routing():
         schedule.path(7, 0, 1, len(counts), 3, 0)[-1]
 
 
-def test_unequal_replica_counts_route_by_index():
-    assert pl.next_replica(0, 0, 0, 0, 2, 3, 2, "random") == 0
-    assert pl.next_replica(0, 0, 0, 0, 1, 3, 2, "random") == 1
+def test_unequal_replica_counts_spread_over_every_next_replica():
+    """One host left where the next stage has two: its micro-batches alternate between
+    them (as `replica % there` every one went to the first, and the other froze)."""
+    assert [pl.next_replica(0, 0, k, 0, 0, 1, 2, "random") for k in range(4)] == [0, 1, 0, 1]
+    assert [pl.next_replica(0, 0, k, 0, r, 2, 1, "random")
+            for k in range(2) for r in range(2)] == [0, 0, 0, 0]
+    # 2 -> 3 and 3 -> 2: each next replica gets as many of a step's micro-batches
+    for here, there in ((2, 3), (3, 2)):
+        got = [pl.next_replica(0, 0, k, 0, r, here, there, "random")
+               for k in range(6) for r in range(here)]
+        assert sorted(got.count(q) for q in range(there)) == [len(got) // there] * there
+    assert pl.next_replica(0, 0, 1, 0, 0, 1, 2, "fixed") == 0  # fixed routing stays
 
 
 def test_a_replacement_on_a_stale_view_moves_before_the_trained_host_beside_it():
@@ -175,3 +184,50 @@ def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkey
     assert sorted(e.peer_id for e in service.live()) == ["a", "b", "c"]
     view(("late", 7.0), ("a", 0.5))
     assert sorted(e.peer_id for e in service.live()) == ["a", "late"]
+
+
+def test_each_replica_gets_one_of_each_visit_and_a_survivor_gets_the_lost_share():
+    paths = [[0, 1, 2]] * 4  # 3 stages in stage order, 4 micro-batches
+    for step in range(5):
+        # as many hosts everywhere: the route is a permutation, one of each per replica
+        assert [pl.arrivals(7, step, paths, [2, 2, 2], "random", s, r)
+                for s in (1, 2) for r in (0, 1)] == [4, 4, 4, 4]
+        # stage 1 lost a replica: its survivor serves both origins' micro-batches, and
+        # hands them on to both stage-2 replicas alike
+        assert pl.arrivals(7, step, paths, [2, 1, 2], "random", 1, 0) == 8
+        assert [pl.arrivals(7, step, paths, [2, 1, 2], "random", 2, r)
+                for r in (0, 1)] == [4, 4]
+    # CheckFree+'s swap: micro-batch 1 visits stage 0 a second time (0 -> 1 -> 0 -> 2)
+    assert pl.arrivals(7, 0, [[0, 1, 2], [0, 1, 0, 2]], [1, 1, 1], "random", 0, 0) == 1
+
+
+def test_a_lost_replica_leaves_the_routes_within_a_ttl_and_the_survivor_waits_for_its_share(
+        monkeypatch):
+    """4 stages x 2 replicas, one stage-1 host silent for longer than the heartbeat ttl:
+    the stage map (so the routes and the claims) no longer lists it, and the surviving
+    stage-1 host expects both first-stage replicas' micro-batches each step."""
+    import time
+    from types import SimpleNamespace
+
+    import node.pipe.service as ps
+    from node.membership.view import Membership
+    from node.training.rounds import TrainingStats
+    from protocols import manifest as mf
+    from protocols.heartbeat import Heartbeat
+    from testnet import launcher
+
+    m = mf.load_manifest_file(launcher.scenario_manifest_path("pipeline"))
+    service = ps.PipelineService(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
+    n, per_step = service.n, service.M
+    membership = Membership("s1a", ttl_s=5.0)
+    now, wall = time.monotonic(), time.time()
+    for peer, stage, ago in [("s0a", 0, 0), ("s0b", 0, 0), ("s1b", 1, 5.5)] + [
+            (f"s{s}{x}", s, 0) for s in range(2, n) for x in "ab"]:
+        membership.heard(Heartbeat(peer, seq=1, stats={"t": wall, "stage": stage}),
+                         now=now - ago, wall=wall)
+    service._ctx = SimpleNamespace(membership=membership, peer_id="s1a", run=None,
+                                   config=SimpleNamespace(peer_ttl_s=5.0))
+    service.stage = 1
+    smap = service.stage_map()
+    assert smap[1] == ["s1a"] and smap[0] == ["s0a", "s0b"]
+    assert service._arrivals(3) == 2 * per_step

@@ -144,6 +144,23 @@ def test_the_visit_travels_with_a_message_and_defaults_to_the_stage() -> None:
             events(encode_envelope(Envelope("pipe.act", 0, body)))
 
 
+def test_the_origin_travels_with_a_message_size_checked_and_defaults_to_none() -> None:
+    """Two first-stage replicas cut micro-batch k of a step each: `origin` tells them apart
+    (docs/pipeline.md); a sender that writes none sends the bytes it sent before."""
+    t = torch.randn(2, 16, 8)
+    (ev,) = events(join(pipe.encode("act", RUN, 2, 5, 1, t, origin="12D3KooWA")))
+    assert (ev.header.origin, ev.header.mb) == ("12D3KooWA", 1)
+    assert join(pipe.encode("act", RUN, 2, 5, 1, t, origin="")) == join(
+        pipe.encode("act", RUN, 2, 5, 1, t))
+    (ev,) = events(join(pipe.encode("act", RUN, 2, 5, 1, t)))
+    assert ev.header.origin == ""
+    for origin in ("", "x" * (pipe.ORIGIN_MAX + 1), 7, b"peer", None):
+        body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
+                "dtype": "bfloat16", "origin": origin}
+        with pytest.raises(RemoteProtocolError, match="origin must be a peer id"):
+            events(encode_envelope(Envelope("pipe.act", 0, body)))
+
+
 def test_announced_dtype_other_than_bf16_is_refused() -> None:
     body = {"run": RUN, "stage": 2, "step": 0, "mb": 0, "shape": [2, 16, 8],
             "dtype": "float32"}

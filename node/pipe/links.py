@@ -55,6 +55,7 @@ class Message:
     tensor: Any
     sender: str
     hop: int  # the micro-batch's visit it is for (protocols/pipeline.py)
+    origin: str = ""  # the first-stage replica that cut the micro-batch ("" not given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,7 @@ class Lost:
     step: int
     mb: int
     reason: str
+    origin: str = ""
 
 
 class Inbox:
@@ -169,12 +171,12 @@ def _offer(event: pipe.TensorReceived | pipe.Refused, peer: str,
         counters["refused: values"] += 1
         log.warning("refused %s from %s: %s", h.kind, peer, event.reason,
                     extra={"peer": peer, "reason": "pipe values"})
-        inbox.offer(Lost(h.kind, h.step, h.mb, event.reason))
+        inbox.offer(Lost(h.kind, h.step, h.mb, event.reason, h.origin))
         return
     nbytes = event.tensor.numel() * (8 if h.kind == "tgt" else 2)
     counters[f"received {h.kind}"] += 1
     counters[f"received bytes {h.kind}"] += nbytes
-    reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer, h.hop))
+    reason = inbox.offer(Message(h.kind, h.step, h.mb, event.tensor, peer, h.hop, h.origin))
     if reason is not None:
         log.warning("refused %s of step %d micro-batch %d from %s: %s", h.kind, h.step,
                     h.mb, peer, reason, extra={"peer": peer, "reason": "pipe full"})
@@ -188,6 +190,7 @@ class Outgoing:
     mb: int
     tensor: Any
     hop: int | None = None  # the receiver's visit (protocols/pipeline.py); None: `stage`
+    origin: str = ""  # the first-stage replica that cut the micro-batch
 
 
 class Outbox:
@@ -195,7 +198,8 @@ class Outbox:
 
     def __init__(self, substrate: Any, run_id: str, capacity: int,
                  on_lost: Callable[[Outgoing, str], None], *, lanes: bool = True,
-                 path_of: Callable[[str], str] = lambda peer: "direct") -> None:
+                 path_of: Callable[[str], str] = lambda peer: "direct",
+                 stalls: Any = None) -> None:
         self.substrate = substrate
         self.run_id = run_id
         self.capacity = capacity
@@ -212,6 +216,8 @@ class Outbox:
         self._nursery: trio.Nursery | None = None
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # peer -> failed writes
+        # node/pipe/fetch.Stalls: a peer whose streams only time out gets a fresh connection
+        self.stalls = stalls
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -247,7 +253,7 @@ class Outbox:
                     lane = await self._ask_lane(peer, stream)
                     self.paths[peer] = "lane" if lane is not None else "stream"
                 chunks = pipe.encode(msg.kind, self.run_id, msg.stage, msg.step, msg.mb,
-                                     msg.tensor, msg.hop)
+                                     msg.tensor, msg.hop, msg.origin)
                 t0 = time.monotonic()
                 with trio.fail_after(WRITE_S):
                     await write_chunks(lane or stream, chunks)
@@ -255,8 +261,12 @@ class Outbox:
                 self.counters[f"sent bytes {msg.kind}"] += sum(
                     len(memoryview(c).cast("B")) for c in chunks[2:])
                 self.counters["write_ms"] += int((time.monotonic() - t0) * 1000)
+                if self.stalls is not None:
+                    self.stalls.ok(peer)
             except Exception as e:  # a dead or slow peer: this message and the queue lost
                 self.failures[peer] += 1
+                if isinstance(e, trio.TooSlowError) and self.stalls is not None:
+                    await self.stalls.timed_out(peer)
                 log.info("pipe to %s failed (%r): %s of step %d micro-batch %d lost", peer, e,
                          msg.kind, msg.step, msg.mb)
                 self.on_lost(msg, f"send to {peer} failed: {e!r}")

@@ -12,7 +12,7 @@ host at all (CheckFree rebuilds it there), never to even out replicas.
 Routing between replicas (node/pipeline/schedule.py): replicas of a stage are numbered by
 sorted peer id; with as many replicas at the next hop's stage, micro-batch k leaving hop h
 goes to `route(seed, step, k, h, R)[r]`; with a different count (churn), replica
-r % R_next.
+(k x R_here + r) % R_next, so that every replica of the next stage gets micro-batches.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 from node.pipeline.schedule import route  # torch-free: routing runs in the trio thread
 
-__all__ = ["balanced", "choose", "complete", "last_replica", "next_replica", "rebalance",
-           "route", "stage_map"]
+__all__ = ["arrivals", "balanced", "choose", "complete", "last_replica", "next_replica",
+           "rebalance", "route", "stage_map"]
 
 
 def stage_map(hosts: Mapping[str, int], stages: int) -> list[list[str]]:
@@ -90,9 +90,14 @@ def next_replica(seed: int, step: int, micro_batch: int, hop: int, replica: int,
                  here: int, there: int, routing: str) -> int:
     """The replica of hop + 1's stage (`there` hosts) that replica `replica` of hop's stage
     (`here` hosts) sends `micro_batch` to (schedule.hops: without CheckFree+'s swap, hop
-    h is stage h)."""
+    h is stage h). With unequal counts, (micro_batch x here + replica) % there: each
+    micro-batch index shifts the senders by `here`, so all `there` replicas get work. As
+    `replica % there` it sent nothing to the other replicas of a stage that kept more
+    hosts than the one before it (issue 27: a last-stage replica froze)."""
     if routing == "random" and here == there and there > 1:
         return route(seed, step, micro_batch, hop, there)[replica]
+    if routing == "random" and here != there:
+        return (micro_batch * here + replica) % there
     return replica % there
 
 
@@ -104,3 +109,27 @@ def last_replica(seed: int, step: int, micro_batch: int, replica: int,
     for h in range(len(counts) - 1):
         at = next_replica(seed, step, micro_batch, h, at, counts[h], counts[h + 1], routing)
     return at
+
+
+def arrivals(seed: int, step: int, paths: Sequence[Sequence[int]], counts: Sequence[int],
+             routing: str, stage: int, replica: int) -> int:
+    """How many visits of `step`'s micro-batches reach replica `replica` of `stage` from
+    another hop: every first-stage replica (an origin) cuts every micro-batch, and each
+    takes the route its senders compute (`next_replica`, hop by hop). `paths`: each
+    micro-batch's stages, visit by visit; `counts`: each stage's hosts. With as many hosts
+    at every stage a replica gets one of each visit; a stage left with fewer hosts than
+    the first gets the lost replica's share on top, and steps once that is back, not
+    after its deadline."""
+    n = 0
+    for k, path in enumerate(paths):
+        if not path or counts[path[0]] < 1:
+            continue
+        for origin in range(counts[path[0]]):
+            at = origin
+            for h in range(1, len(path)):
+                here, there = counts[path[h - 1]], counts[path[h]]
+                if there < 1:
+                    break
+                at = next_replica(seed, step, k, h - 1, at, here, there, routing)
+                n += path[h] == stage and at == replica
+    return n

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.lane import listen_host
-from node.pipe import placement, stage_ckpt
+from node.pipe import convergence, placement, stage_ckpt
+from node.pipe.convergence import FRESH_S
+from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
 from node.pipeline.schedule import hops
 from protocols import manifest as mf
 from protocols import pipeline as pipe
-from protocols.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -49,8 +50,6 @@ log = logging.getLogger("node.pipeline")
 SETTLE_S = 3.0  # the stage map must hold this long before training starts
 FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before choosing
 JOIN_TIMEOUT_S = 30.0
-FETCH_TRIES = 3
-FRESH_S = 15.0  # a heartbeat written longer ago than this is not evidence of life
 STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
 
@@ -129,9 +128,14 @@ class PipelineService:
                 if age is None or (age <= FRESH_S and age - freshest <= margin)]
 
     def swarm_step(self) -> int:
-        """The highest step a fresh live peer reports."""
-        steps = [(e.info.get("stats") or {}).get("step") for e in self.live()]
-        return max((x for x in steps if type(x) is int), default=0)
+        """The highest step a fresh live peer reports that the trained others (ours
+        included) confirm (convergence.confirmed_step): a first stage behind it jumps
+        to it, a stage that starts late starts there."""
+        claims = {e.peer_id: s for e in self.live()
+                  if type(s := (e.info.get("stats") or {}).get("step")) is int}
+        if self.training and self._ctx is not None:
+            claims[self._ctx.peer_id] = self.progress.step
+        return convergence.confirmed_step(claims, self.settled())
 
     def hosts(self, first_choice: bool = False) -> dict[str, int]:
         """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
@@ -225,7 +229,9 @@ class PipelineService:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._ctx = ctx
         substrate = ctx.substrate
-        self.outbox = Outbox(substrate, self.run_id, capacity=4 * self.M + 8,
+        stalls = Stalls(substrate)  # a peer whose streams all time out: its connection reset
+        self.fetcher = WeightsFetcher(substrate, self.run_id, stalls)
+        self.outbox = Outbox(substrate, self.run_id, capacity=4 * self.M + 8, stalls=stalls,
                              on_lost=self._on_lost, path_of=self.path_of or (
                                  lambda peer: substrate.peer_paths().get(peer, "direct")))
         self.lane_host = listen_host(substrate)
@@ -312,20 +318,32 @@ class PipelineService:
             self._nursery.start_soon(exchange)
 
     async def _follow_membership(self, ctx: NodeContext) -> None:
-        """Keep the stage choice in line with the live view (placement.rebalance)."""
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
-            move = placement.rebalance(ctx.peer_id, self.hosts(), self.n,
-                                       training=self.training, settled=self.settled(),
-                                       uptime=self.uptimes())
-            if move is None:
-                continue
-            if not self.training:
-                self._set_stage(move)
-            elif self._move_to is None and self.worker is not None:
-                log.warning("pipeline: stage %d has no live host; this node (stage %s, "
-                            "which keeps %d more) takes it over", move, self.stage,
-                            len(self.stage_map()[self.stage or 0]) - 1)
+            self._follow_once()
+
+    def _follow_once(self) -> None:
+        """Keep the stage choice in line with the live view (placement.rebalance); a
+        takeover only of a stage nobody heard lately hosts (convergence.recent_hosts)."""
+        ctx = self._ctx
+        assert ctx is not None
+        move = placement.rebalance(ctx.peer_id, self.hosts(), self.n, training=self.training,
+                                   settled=self.settled(), uptime=self.uptimes())
+        if move is None:
+            return
+        if not self.training:
+            self._set_stage(move)
+        elif self._move_to is None and self.worker is not None:
+            heard = ctx.membership.book.live(time.monotonic() - (FRESH_S - ctx.config.peer_ttl_s))
+            recent = convergence.recent_hosts(heard, move)
+            if recent:
+                self.counters["refused: takeover"] += 1
+                log.info("pipeline: stage %d has no live host in this view, but %s was "
+                         "heard within %.0f s: not taking it over", move, recent, FRESH_S)
+            else:
+                log.warning("pipeline: stage %d has no host heard within %.0f s; this node "
+                            "(stage %s, which keeps %d more) takes it over", move, FRESH_S,
+                            self.stage, len(self.stage_map()[self.stage or 0]) - 1)
                 self._move_to = move
                 self._stop.set()
 
@@ -368,10 +386,10 @@ class PipelineService:
         self._stop = threading.Event()
 
         def post(to: tuple, kind: str, stage: int, step: int, mb: int, hop: int,
-                 tensor: Any) -> None:
+                 tensor: Any, origin: str) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
                 trio.from_thread.run_sync(self._dispatch, to, Outgoing(
-                    kind, stage, step, mb, tensor, hop),  # type: ignore[arg-type]
+                    kind, stage, step, mb, tensor, hop, origin),  # type: ignore[arg-type]
                     trio_token=token)
 
         self.worker = None
@@ -431,8 +449,9 @@ class PipelineService:
         if stage.is_last and not stage.is_first:
             stage.set_tied(stages[0].wte.weight)
         stage.to(self.device)
+        # as many as the inbox holds: a host left alone on its stage serves every origin
         runner = StageRunner(stage, StageOptim(lr=m.train.lr, grad_clip=m.train.grad_clip),
-                             max_in_flight=2 * self.M)
+                             max_in_flight=self.inbox.capacity)
         self.progress.params = sum(p.numel() for p in stage.parameters())
         batches = None
         if s == 0:
@@ -440,15 +459,10 @@ class PipelineService:
         return StageWorker(runner, self.n, self.M, self.inbox, post, self._stop,
                            progress=self.progress, batches=batches,
                            ready=lambda: placement.complete(self.stage_map()),
-                           device=self.device, first_step=self._swarm_step(),
-                           leader_step=self._leader_step, layers=self.layers, swap=self.swap,
-                           last_hosts=self._last_hosts)
-
-    def _leader_step(self) -> int:
-        """The highest step a live stage host reports (heartbeats): a first stage behind
-        it (a late replica, one restarted from the seed) would send only stale work."""
-        assert self._ctx is not None
-        return self.swarm_step()
+                           device=self.device, first_step=self.swarm_step(),
+                           leader_step=self.swarm_step, layers=self.layers, swap=self.swap,
+                           last_hosts=self._last_hosts, origin=self._ctx.peer_id,
+                           arrivals=self._arrivals)
 
     def _last_hosts(self, step: int) -> int:
         """How many last-stage hosts get micro-batches of `step` from some first-stage
@@ -462,11 +476,15 @@ class PipelineService:
                                            [counts[v.stage] for v in path], p.routing)
                     for k, path in enumerate(self.paths) for r in range(counts[0])})
 
-    def _swarm_step(self) -> int:
-        """Where a stage that starts late starts counting: the swarm's step (a driver that
-        started at 0 would send micro-batches every other stage refuses as stale)."""
-        assert self._ctx is not None
-        return self.swarm_step()
+    def _arrivals(self, step: int) -> int:
+        """How many visits of `step` reach this host (trainer thread; placement.arrivals)."""
+        smap, ctx, p = self.stage_map(), self._ctx, self.m.pipeline
+        assert ctx is not None and p is not None and self.stage is not None
+        row = smap[self.stage]
+        return placement.arrivals(self.m.run.seed, step, [[v.stage for v in path] for path
+                                                          in self.paths], [len(r) for r in smap],
+                                  p.routing, self.stage,
+                                  row.index(ctx.peer_id) if ctx.peer_id in row else 0)
 
     def _batches(self) -> Any:
         import torch
@@ -490,8 +508,11 @@ class PipelineService:
     # -- recovery: a stage that starts while the run trains --------------------------------
 
     async def _recover(self, worker: Any) -> None:
-        """Mid-run, a stage is not drawn from the seed: it is copied from a live replica,
-        or, with none left, rebuilt from its neighbours (CheckFree; docs/pipeline.md)."""
+        """Mid-run, a stage is not drawn from the seed: it is copied from a live replica
+        (any that answers), else resumed from this node's own checkpoint of it, else
+        rebuilt from its neighbours (CheckFree: every host of each source stage is asked),
+        else resumed from that checkpoint however old; only then the seed's weights,
+        with the reasons logged (docs/pipeline.md, "Recovery live")."""
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
         swarm = self.swarm_step()
@@ -502,27 +523,30 @@ class PipelineService:
         stage = worker.runner.stage
         replicas = [q for q in smap[s] if q != ctx.peer_id]
         shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
-        copied = await self._fetch_first(replicas, s, "all", shapes)
+        copied, _ = await self.fetcher.first(replicas, s, "all", shapes)
         if copied is not None:
-            peer, tensors = copied
-            await trio.to_thread.run_sync(worker.load_copy, tensors)
-            self._recovered("copy", [peer], t0, swarm)
+            await trio.to_thread.run_sync(worker.load_copy, copied[1].tensors)
+            self._recovered("copy", [copied[0]], t0, swarm)
             return
         own = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
-        if own.exists():  # this node hosted the stage before (a restart): its own state
+
+        async def resume(oldest: int) -> bool:  # from this node's checkpoint of the stage
+            if not own.exists():
+                return False
             try:
-                # an old one (a host back after days): the neighbours' weights are fresher
-                oldest = swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps
                 step = await trio.to_thread.run_sync(stage_ckpt.load, own, worker.runner,
                                                      self.run_id, list(self.layers), oldest)
             except stage_ckpt.StageCheckpointError as e:
                 log.warning("pipeline: this node's checkpoint of stage %d is not used: %s",
                             s, e)
-            else:
-                self._recovered("checkpoint", [], t0, swarm,
-                                f"this node's checkpoint of step {step}, "
-                                f"{max(swarm - step, 0)} steps behind the swarm")
-                return
+                return False
+            self._recovered("checkpoint", [], t0, swarm, f"this node's checkpoint of step "
+                            f"{step}, {max(swarm - step, 0)} steps behind the swarm")
+            return True
+
+        # an old one (a host back after days): the neighbours' weights are fresher
+        if await resume(swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps):
+            return
         if p.recovery == "none":
             self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
             return
@@ -536,13 +560,15 @@ class PipelineService:
             norms: dict[int, float] = {}
             sources: list[str] = []
             for j in how.sources:
-                if not smap[j]:
-                    raise RecoveryError(f"stage {j}, a source of stage {s}, has no live host")
-                peer = smap[j][0]
-                got = await self._fetch(peer, j, "blocks", shapes)
-                blocks[j] = got.tensors
+                got, failed = await self.fetcher.first(smap[j], j, "blocks", shapes)
+                if got is None:
+                    raise RecoveryError(f"no host of stage {j}, a source of stage {s}, gave "
+                                        f"its blocks (asked {len(smap[j])}"
+                                        f"{': ' if failed else ''}{'; '.join(failed)})")
+                peer, answer = got
+                blocks[j] = answer.tensors
                 gossiped = self._gossiped_norm(peer)
-                norms[j] = gossiped if gossiped is not None else got.gnorm
+                norms[j] = gossiped if gossiped is not None else answer.gnorm
                 sources.append(peer)
             await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
                                           self.m.train.grad_clip, p.lr_boost)
@@ -550,10 +576,11 @@ class PipelineService:
                 holder, tensors = ends
                 await trio.to_thread.run_sync(worker.load_ends, tensors)
                 sources += [holder] if holder not in sources else []
-        except Exception as e:  # RecoveryError, BadGradNorm, a neighbour gone: the seed's
-            log.warning("pipeline: stage %d cannot be rebuilt (%s); it starts from the "
-                        "seed's weights", s, e)
-            self._recovered("none", [], t0, swarm, str(e))
+        except Exception as e:  # RecoveryError, BadGradNorm, no neighbour answered
+            log.warning("pipeline: stage %d cannot be rebuilt (%s)", s, why(e))
+            if not await resume(0):
+                log.warning("pipeline: stage %d starts from the seed's weights", s)
+                self._recovered("none", [], t0, swarm, why(e))
             return
         rule = how.rule if ends is None else "ends" if how.rule == "none" else f"{how.rule}+ends"
         self._recovered(rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
@@ -595,25 +622,11 @@ class PipelineService:
             return ctx.peer_id, self.ends_copies.get(s)
         shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.ends_state().items()}
         holders = smap[self._edge_neighbour(s)]
-        got = await self._fetch_first(holders, s, "ends", shapes)
+        got, failed = await self.fetcher.first(holders, s, "ends", shapes)
         if got is None:
             raise RecoveryError(f"no neighbour holds a copy of stage {s}'s ends "
-                                f"(asked {len(holders)})")
-        return got
-
-    async def _fetch_first(self, peers: list[str], stage: int, part: str,
-                           shapes: dict[str, tuple[int, ...]]
-                           ) -> tuple[str, dict[str, Any]] | None:
-        """(peer, tensors) from the first of `peers` that answers with `part` of `stage`;
-        None when none does (each failure logged)."""
-        for peer in peers:
-            try:
-                got = await self._fetch(peer, stage, part, shapes)
-            except Exception as e:
-                log.warning("pipeline: %s of stage %d from %s failed: %s", part, stage, peer, e)
-                continue
-            return peer, got.tensors
-        return None
+                                f"(asked {len(holders)}: {'; '.join(failed)})")
+        return got[0], got[1].tensors
 
     async def _keep_ends(self) -> None:
         """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
@@ -635,7 +648,7 @@ class PipelineService:
                 try:
                     if edge not in shapes:
                         shapes[edge] = await trio.to_thread.run_sync(self._ends_shapes, edge)
-                    got = await self._fetch(hosts[0], edge, "ends", shapes[edge])
+                    got = await self.fetcher.fetch(hosts[0], edge, "ends", shapes[edge])
                 except Exception as e:
                     log.info("pipeline: refreshing the copy of stage %d's ends: %s", edge, e)
                     continue
@@ -668,45 +681,6 @@ class PipelineService:
                 v = (e.info.get("stats") or {}).get("gnorm")
                 return v if isinstance(v, int | float) and not isinstance(v, bool) else None
         return None
-
-    async def _fetch(self, peer: str, stage: int, part: str,
-                     shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
-        """`_fetch_once`, tried FETCH_TRIES times: on a loaded machine a joiner's first
-        stream negotiation can outlast py-libp2p's own timeout (seen: the host had the
-        stream, the asker had given up); a refusal with a reason is not retried."""
-        for attempt in range(FETCH_TRIES):
-            try:
-                return await self._fetch_once(peer, stage, part, shapes)
-            except Exception as e:
-                if isinstance(e, RemoteProtocolError) or attempt == FETCH_TRIES - 1:
-                    raise
-                log.info("pipeline: fetching stage %d from %s failed (%s); trying again",
-                         stage, peer, e)
-        raise AssertionError("unreachable")
-
-    async def _fetch_once(self, peer: str, stage: int, part: str,
-                          shapes: dict[str, tuple[int, ...]]) -> pipe.WeightsReceived:
-        """Stage `stage`'s weights ("blocks" or "all") from `peer`, checked against
-        `shapes` before anything is allocated (protocols/pipeline.WeightsReceiver)."""
-        from libp2p.peer.id import ID
-
-        from node.streams import pump
-
-        ctx = self._ctx
-        assert ctx is not None
-        with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
-            stream = await ctx.substrate.open_stream(ID.from_base58(peer),
-                                                     pipe.WEIGHTS_PROTOCOL_ID)
-            try:
-                await stream.write(pipe.encode_weights_request(self.run_id, stage, part))
-                rx = pipe.WeightsReceiver(self.run_id, stage, shapes)
-                event = await pump(stream, rx.next_event, rx.receive_data)
-            finally:
-                with contextlib.suppress(Exception), trio.move_on_after(2):
-                    await stream.close()
-        if isinstance(event, pipe.NoWeights):
-            raise RemoteProtocolError(f"{peer} has no weights of stage {stage}: {event.reason}")
-        return event
 
     async def _serve_weights(self, stream: INetStream) -> None:
         from node.streams import next_event, write_chunks
@@ -780,7 +754,7 @@ class PipelineService:
     def _on_lost(self, msg: Outgoing, reason: str) -> None:
         self.counters[f"lost {msg.kind}"] += 1
         if msg.kind in ("act", "tgt"):  # our micro-batch will not come back
-            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason))
+            self.inbox.offer(Lost(msg.kind, msg.step, msg.mb, reason, msg.origin))
 
     def _lane_host(self) -> str | None:
         """Where we listen for a sender's bulk lane; None (no lanes) where a sender could

@@ -7,7 +7,8 @@ the peer). It never waits without a deadline:
 * The first stage drives: each step it reads a batch, cuts it into micro-batches, sends
   each one's activations to the next stage and its targets to the last stage, then waits
   for the gradients (and the last stage's head gradient) until the step's deadline; what
-  has not come back by then is dropped (`StageRunner.drop`), the rest steps. It then
+  has not come back by then is dropped (`StageRunner.drop`), the rest steps. A step that
+  got nothing back lasts at least MIN_WAIT_S (the counter cannot run away). It then
   sends the updated tied matrix to the last stage. A message for a later step (another
   first-stage replica's, relayed) means the stages after it moved on: it gives up the
   step at once and joins theirs (replicas one step apart lost every step otherwise).
@@ -20,11 +21,17 @@ the peer). It never waits without a deadline:
   matrix (waiting for the one of the step, within the deadline, before its first
   micro-batch).
 
+A micro-batch is named by its origin (the first-stage replica that cut it, its peer id),
+its step and its index: with two first-stage replicas and one host left at a later stage,
+that host gets micro-batch k of the step from both, and keyed by index alone the second
+looked like a duplicate (stale, every step). A serving stage steps once every visit its
+step sends it is back (`arrivals`: the service counts them from the stage map and the
+routing, so a host left alone on its stage waits for the lost replica's share too).
+
 With CheckFree+'s swap (schedule.hops) an odd micro-batch visits the first and the last
 stage twice: each message names its visit (`hop`), saved activations are keyed by
-(micro-batch, visit), the first stage also serves its blocks' visit while it drives, and
-the last also forwards its blocks' visit before the head's. A stage steps once all of its
-`visits` of the step are back.
+(origin, micro-batch, visit), the first stage also serves its blocks' visit while it
+drives, and the last also forwards its blocks' visit before the head's.
 
 The deadline is measured: 4 x the EWMA of the step's round trip, at least MIN_WAIT_S
 (FIRST_WAIT_S before the first step completes: every stage warms up then).
@@ -71,8 +78,9 @@ class WorkerStats:
                 "last_drop": self.last_reason}
 
 
-# (to, kind, the receiver's stage, step, mb, the receiver's hop, tensor)
-Post = Callable[[tuple, str, int, int, int, int, Any], None]
+# (to, kind, the receiver's stage, step, mb, the receiver's hop, tensor, origin)
+Post = Callable[[tuple, str, int, int, int, int, Any, str], None]
+Key = tuple[str, int, int]  # (origin, micro-batch, visit): one visit of one micro-batch
 
 
 class StageWorker:
@@ -83,7 +91,8 @@ class StageWorker:
                  first_step: int = 0, leader_step: Callable[[], int] = lambda: 0,
                  last_hosts: Callable[[int], int] = lambda step: 1,
                  first_wait_s: float = FIRST_WAIT_S, layers: Sequence[int] | None = None,
-                 swap: bool = False) -> None:
+                 swap: bool = False, origin: str = "",
+                 arrivals: Callable[[int], int] | None = None) -> None:
         from node.pipeline.schedule import hops
 
         self.runner = runner
@@ -96,6 +105,9 @@ class StageWorker:
         layers = list(layers) if layers is not None else [1] * n_stages
         self.paths = [hops(layers, k, swap) for k in range(micro_batches)]
         self.visits = sum(h.stage == self.stage for path in self.paths for h in path)
+        self.origin = origin  # our peer id: the origin of the micro-batches we cut
+        # How many visits a step brings this host (placement.arrivals); alone, `visits`.
+        self.arrivals = arrivals or (lambda step: self.visits)
         self.inbox = inbox
         self.post = post
         self.stop = stop
@@ -223,10 +235,11 @@ class StageWorker:
         pending = set()
         for k, (xk, yk) in enumerate(micro_batches(x, y, self.M)):
             path = self.paths[k]
-            out = r.forward((k, 0), self._dev(xk), path[0])
+            out = r.forward((self.origin, k, 0), self._dev(xk), path[0])
             pending.add(k)
-            self.post(("last", t, k), "tgt", path[-1].stage, t, k, len(path) - 1, yk)
-            self.post(("next", t, k, 0), "act", path[1].stage, t, k, 1, out)
+            self.post(("last", t, k), "tgt", path[-1].stage, t, k, len(path) - 1, yk,
+                      self.origin)
+            self.post(("next", t, k, 0), "act", path[1].stage, t, k, 1, out, self.origin)
         if self.stats.first_mb_at is None:
             self.stats.first_mb_at = t0
         # A head gradient from each last-stage host the step's micro-batches reach: each
@@ -241,8 +254,8 @@ class StageWorker:
         lost = 0
         ahead = 0  # a later step the swarm is at, seen in a message for it: ours is lost
         last_back: float | None = None
-        came_from: dict[tuple[int, int], str] = {}  # our interior visits awaiting gradients
-        seen: set[tuple[int, int]] = set()  # ... and those already run
+        came_from: dict[Key, str] = {}  # our interior visits awaiting gradients
+        seen: set[Key] = set()  # ... and those already run
         while (pending or (len(tied_from) < need_tied and not lost)) and not self.stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -261,18 +274,20 @@ class StageWorker:
                     break
                 continue
             if isinstance(item, Lost):
-                if item.kind in ("act", "grad", "tgt") and item.mb in pending:
+                if item.origin not in ("", self.origin):  # another replica's, via us
+                    self._drop_all(item.origin, item.mb, came_from)
+                elif item.kind in ("act", "grad", "tgt") and item.mb in pending:
                     pending.discard(item.mb)
-                    self._drop_all(item.mb, came_from)
+                    self._drop_all(self.origin, item.mb, came_from)
                     self._lost(item.reason)
                     lost += 1
                 continue
             if item.kind == "act" and item.hop > 0:
                 self._visit(item, came_from, seen)
             elif item.kind == "grad" and item.hop > 0:
-                if (item.mb, item.hop) in came_from:
+                if _key(item) in came_from:
                     self._back(item, came_from)
-            elif item.kind == "grad" and item.mb in pending:
+            elif item.kind == "grad" and item.mb in pending and item.origin in ("", self.origin):
                 pending.discard(item.mb)
                 last_back = time.monotonic()
                 if self._backward(item) is False:
@@ -284,7 +299,7 @@ class StageWorker:
                 tied_from.add(item.sender)
                 last_back = time.monotonic()
         for k in pending:
-            self._drop_all(k, came_from)
+            self._drop_all(self.origin, k, came_from)
         if pending and ahead:
             self._lost(f"step {t}: {len(pending)} micro-batches refused, the swarm is at "
                        f"step {ahead}", len(pending))
@@ -299,16 +314,22 @@ class StageWorker:
         r.optimizer.zero_grad(set_to_none=True)
         self.step = max(t + 1, ahead)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, self.step, 0,
-                  self.n_stages - 1, r.stage.wte.weight.detach())
+                  self.n_stages - 1, r.stage.wte.weight.detach(), self.origin)
         self.progress.step = self.step
         self._after_step(self.step)
         self._timed(t0, last_back)
+        if not done and not ahead:
+            # Nothing came back (every micro-batch lost at once: a full or failed send):
+            # the next step begins no sooner than MIN_WAIT_S after this one did. Unpaced,
+            # one first stage's counter ran from 251 to 7055 in 3 minutes (issue 27). The
+            # step still counts, and the tied matrix still goes: a last stage waits for it
+            # before each step, and withholding it stalled a rebuilt last stage for good.
+            self.stop.wait(max(0.0, t0 + MIN_WAIT_S - time.monotonic()))
 
-    def _visit(self, item: Message, came_from: dict[tuple[int, int], str],
-               seen: set[tuple[int, int]]) -> None:
+    def _visit(self, item: Message, came_from: dict[Key, str], seen: set[Key]) -> None:
         """Activations in for a visit that is not the micro-batch's last: forward, on to
         the next visit (a visit seen before is stale; one the stage refuses is lost)."""
-        key = (item.mb, item.hop)
+        key = _key(item)
         if key in seen or key in came_from:
             self.stats.stale += 1
             return
@@ -319,26 +340,26 @@ class StageWorker:
             came_from[key] = item.sender
             nxt = item.hop + 1
             self.post(("next", item.step, item.mb, item.hop), "act", path[nxt].stage,
-                      item.step, item.mb, nxt, out)
+                      item.step, item.mb, nxt, out, item.origin)
 
-    def _back(self, item: Message, came_from: dict[tuple[int, int], str]) -> bool:
+    def _back(self, item: Message, came_from: dict[Key, str]) -> bool:
         """A gradient for one of our visits past the first: backward, back to the visit
         before. False if the gradient did not fit (logged, that micro-batch lost)."""
-        sender = came_from.pop((item.mb, item.hop))
+        sender = came_from.pop(_key(item))
         g = self._backward(item)
         if g is False:
             return False
         prev = item.hop - 1
         self.post(("peer", sender), "grad", self.paths[item.mb][prev].stage, item.step,
-                  item.mb, prev, g)
+                  item.mb, prev, g, item.origin)
         return True
 
-    def _drop_all(self, mb: int, came_from: dict[tuple[int, int], str]) -> None:
+    def _drop_all(self, origin: str, mb: int, came_from: dict[Key, str]) -> None:
         """A micro-batch that will not complete: forget every visit of it we hold."""
-        for key in [k for k in came_from if k[0] == mb]:
+        for key in [k for k in came_from if k[:2] == (origin, mb)]:
             del came_from[key]
         for h in range(len(self.paths[mb])):
-            self.runner.drop((mb, h))
+            self.runner.drop((origin, mb, h))
 
     # -- the other stages ----------------------------------------------------------------
 
@@ -346,23 +367,26 @@ class StageWorker:
         r = self.runner
         cur = -1  # the step being served
         is_open = False  # cur still takes micro-batches
-        came_from: dict[tuple[int, int], str] = {}  # (mb, hop) -> who sent its activations
-        seen: set[tuple[int, int]] = set()  # visits of cur already run
+        came_from: dict[Key, str] = {}  # a visit -> who sent its activations
+        seen: set[Key] = set()  # visits of cur already run
         done = 0
+        want = self.visits  # visits cur brings this host (`arrivals`, when it opened)
         losses: list[float] = []
-        waiting: dict[tuple[str, int, int], Message] = {}  # the head: acts/targets unpaired
+        # the head: activations and targets not paired yet, by (kind, step, origin, mb)
+        waiting: dict[tuple[str, int, str, int], Message] = {}
         t_start = quiet_since = time.monotonic()
         last_back: float | None = None
 
         def finish() -> None:
             nonlocal done, losses, is_open, last_back
-            for mb, hop in list(came_from):
-                r.drop((mb, hop))
-                self._lost(f"step {cur}: micro-batch {mb} not back in time")
+            for key in list(came_from):
+                r.drop(key)
+                self._lost(f"step {cur}: micro-batch {key[1]} not back in time")
             came_from.clear()
             if done:
                 if self.runner.stage.is_last and r.stage.tied_grad() is not None:
-                    self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach())
+                    self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach(),
+                              "")
                     r.stage.tied.grad = None
                 with self.lock:
                     r.step()
@@ -381,7 +405,7 @@ class StageWorker:
             last_back = time.monotonic()
             done += 1
             self.stats.micro_batches += 1
-            if done == self.visits:
+            if done >= want:
                 finish()
 
         while not self.stop.is_set():
@@ -394,7 +418,7 @@ class StageWorker:
             quiet_since = now
             if isinstance(item, Lost):
                 if item.step == cur:
-                    self._drop_all(item.mb, came_from)
+                    self._drop_all(item.origin, item.mb, came_from)
                     self._lost(item.reason)
                 continue
             if item.kind == "tied":
@@ -403,7 +427,7 @@ class StageWorker:
                     self.tied_version = item.step
                 continue
             if item.kind == "grad":
-                if item.step != cur or (item.mb, item.hop) not in came_from:
+                if item.step != cur or _key(item) not in came_from:
                     self.stats.stale += 1
                     continue
                 if self._back(item, came_from):
@@ -417,6 +441,7 @@ class StageWorker:
                 if is_open:
                     finish()
                 cur, is_open, t_start = item.step, True, now
+                want = max(1, self.arrivals(cur))
                 seen.clear()
                 waiting = {k: v for k, v in waiting.items() if k[1] >= cur}
                 if self.stats.first_mb_at is None:
@@ -426,18 +451,22 @@ class StageWorker:
             if item.kind == "act" and not self.paths[item.mb][item.hop].head:
                 self._visit(item, came_from, seen)
                 continue
-            waiting[(item.kind, item.step, item.mb)] = item
-            if len(waiting) > 4 * self.M:  # bounded: the oldest go
-                for key in sorted(waiting, key=lambda k: (k[1], k[2]))[:len(waiting) - 4 * self.M]:
+            waiting[(item.kind, item.step, item.origin, item.mb)] = item
+            bound = self.inbox.capacity
+            if len(waiting) > bound:  # bounded: the oldest go
+                for key in sorted(waiting, key=lambda k: (k[1], k[3]))[:len(waiting) - bound]:
                     del waiting[key]
-            for mb in range(self.M):
+            for kind, step, origin, mb in list(waiting):
                 if not is_open:
                     break
-                act, tgt = waiting.get(("act", cur, mb)), waiting.get(("tgt", cur, mb))
-                if act is None or tgt is None or (mb, act.hop) in seen:
+                if kind != "act" or step != cur:
                     continue
-                del waiting[("act", cur, mb)], waiting[("tgt", cur, mb)]
-                key = (mb, act.hop)
+                act, tgt = waiting.get(("act", cur, origin, mb)), waiting.get(
+                    ("tgt", cur, origin, mb))
+                if act is None or tgt is None or _key(act) in seen:
+                    continue
+                del waiting[("act", cur, origin, mb)], waiting[("tgt", cur, origin, mb)]
+                key = _key(act)
                 seen.add(key)
                 try:
                     loss = r.forward_loss(key, self._dev(act.tensor), self._dev(tgt.tensor),
@@ -450,7 +479,7 @@ class StageWorker:
                 losses.append(loss)
                 prev = act.hop - 1
                 self.post(("peer", act.sender), "grad", self.paths[mb][prev].stage, cur, mb,
-                          prev, g)
+                          prev, g, origin)
                 visit_done()
 
     def _backward(self, item: Message) -> Any:
@@ -458,20 +487,20 @@ class StageWorker:
         not fit the saved activations (a shape the wire allows but this micro-batch is
         not) costs that micro-batch, logged, never the worker."""
         try:
-            return self.runner.backward((item.mb, item.hop), self._dev(item.tensor))
+            return self.runner.backward(_key(item), self._dev(item.tensor))
         except (RuntimeError, ValueError, KeyError) as e:
-            self.runner.drop((item.mb, item.hop))
+            self.runner.drop(_key(item))
             self._lost(f"gradient of micro-batch {item.mb} from {item.sender} refused: {e}")
             log.warning("pipeline: refused the gradient of step %d micro-batch %d from %s: "
                         "%s", item.step, item.mb, item.sender, e,
                         extra={"peer": item.sender, "reason": "pipe gradient"})
             return False
 
-    def _forward(self, key: tuple[int, int], x: Any, hop: Any) -> Any:
+    def _forward(self, key: Key, x: Any, hop: Any) -> Any:
         try:
             return self.runner.forward(key, self._dev(x), hop)
         except Exception as e:  # PipelineFull, a shape the model refuses: that mb is lost
-            self._lost(f"micro-batch {key[0]}: {e}")
+            self._lost(f"micro-batch {key[1]}: {e}")
             return None
 
     def _await_tied(self, step: int) -> None:
@@ -496,3 +525,7 @@ class StageWorker:
             else:
                 self.stats.stale += 1
         self.stats.stale_tied += 1
+
+
+def _key(item: Message) -> Key:
+    return item.origin, item.mb, item.hop
