@@ -23,21 +23,23 @@ def test_trained_weights_come_before_seed_weights_whatever_the_clock():
     assert [s.peer for s in rank({"seedy": 3, "old": 990}, None, SWARM, FRESH)][:1] == ["old"]
     # this host's checkpoint of trained weights beats a replica on seed weights
     order = rank({"seedy": 3}, 980, SWARM, FRESH)
-    assert [s.kind for s in order] == ["checkpoint", "checkfree", "replica", "seed"]
-    # a checkpoint of seed weights (trained 0) comes after CheckFree, before the seed
-    assert [s.kind for s in rank({}, 0, SWARM, FRESH)] == ["checkfree", "checkpoint", "seed"]
+    assert [s.kind for s in order] == ["checkpoint", "peers", "checkfree", "replica", "seed"]
+    # a checkpoint of seed weights (trained 0) comes after a rebuild, before the seed
+    assert [s.kind for s in rank({}, 0, SWARM, FRESH)] == ["peers", "checkfree", "checkpoint",
+                                                           "seed"]
     # equal counts: the live replica first; no CheckFree where the rule forbids it
     assert rank({"r": 990}, 990, SWARM, FRESH, checkfree=False) == [
-        Source("replica", 990, "r"), Source("checkpoint", 990), Source("seed")]
+        Source("replica", 990, "r"), Source("checkpoint", 990), Source("peers"),
+        Source("seed")]
 
 
 def test_a_claim_above_the_clock_or_unknown_gains_no_rank():
     order = rank({"liar": 10**9, "honest": 995, "older": None}, None, SWARM, FRESH)
     assert order[0] == Source("replica", SWARM, "liar")  # capped at the swarm's step
-    assert [s.peer for s in order] == ["liar", "honest", None, "older", None]
+    assert [s.peer for s in order] == ["liar", "honest", None, None, "older", None]
     # early in a run every trained step counts as current, an untrained one never does
     assert [s.kind for s in rank({"a": 0, "b": 4}, None, 20, -230)] == [
-        "replica", "checkfree", "replica", "seed"]
+        "replica", "peers", "checkfree", "replica", "seed"]
 
 
 def test_a_recovering_replica_ranks_its_stage_s_hosts_by_their_heartbeats():

@@ -52,6 +52,7 @@ FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before c
 JOIN_TIMEOUT_S = 30.0
 STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
+PEER_CHECKPOINTS_S = 20.0  # a recovery waits at most this for other peers' stage checkpoints
 
 
 class PipelineService:
@@ -545,9 +546,12 @@ class PipelineService:
             elif src.kind == "checkpoint":
                 if await self._resume(worker, own, swarm, t0):
                     return
+            elif src.kind == "peers":
+                if await self._from_peers(worker, smap, swarm, fresh, t0):
+                    return
             elif src.kind == "checkfree":
                 try:
-                    await self._rebuild(worker, smap, swarm, t0)
+                    await self._rebuild(worker, smap, swarm, fresh, t0)
                     return
                 except Exception as e:  # RecoveryError, BadGradNorm, no neighbour answered
                     log.warning("pipeline: stage %d cannot be rebuilt (%s)", s, why(e))
@@ -559,7 +563,7 @@ class PipelineService:
             else "no replica, checkpoint or neighbour had its weights"))
 
     def replica_claims(self, hosts: list[str]) -> dict[str, int | None]:
-        """The other hosts of our stage -> the trained steps their heartbeats claim."""
+        """`hosts` (less this node) -> the trained steps their heartbeats claim."""
         ctx = self._ctx
         assert ctx is not None
         said = {e.peer_id: (e.info.get("stats") or {}).get("trained") for e in self.live()}
@@ -594,23 +598,78 @@ class PipelineService:
                         f"{max(swarm - got.trained, 0)} behind the swarm")
         return True
 
-    async def _rebuild(self, worker: Any, smap: list[list[str]], swarm: int, t0: float
-                       ) -> None:
-        """CheckFree (or CheckFree+) from the neighbours; raises when it cannot. The
-        rebuilt stage claims the least trained of its sources (its weights are theirs)."""
-        from node.recovery.checkfree import RecoveryError, plan
+    async def _from_peers(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+                          t0: float) -> bool:
+        """Another peer's own checkpoint of our stage (one that hosted it before), if its
+        weights are current: every live peer that does not host it is asked at once, the
+        first current answer taken (a refusal from each peer that holds none)."""
+        from node.recovery.sources import is_current
 
-        s, p = self.stage, self.m.pipeline
-        assert s is not None and p is not None
-        how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
+        ctx, s = self._ctx, self.stage
+        assert ctx is not None and s is not None
+        peers = [e.peer_id for e in self.live() if e.info.get("role") == "node"
+                 and e.peer_id != ctx.peer_id and e.peer_id not in smap[s]]
+        shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.state_dict().items()}
+        found: list[tuple[str, Any]] = []
+
+        async def ask(peer: str, cancel: trio.CancelScope) -> None:
+            try:
+                got = await self.fetcher.fetch_once(peer, s, "all", shapes)
+            except Exception as e:
+                log.debug("pipeline: no checkpoint of stage %d from %s: %s", s, peer, why(e))
+                return
+            if is_current(got.trained, fresh) and not found:
+                found.append((peer, got))
+                cancel.cancel()
+
+        with trio.move_on_after(PEER_CHECKPOINTS_S):  # a peer that hangs delays CheckFree
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(ask, peer, nursery.cancel_scope)
+        if not found:
+            return False
+        peer, got = found[0]
+        await trio.to_thread.run_sync(worker.load_copy, got.tensors)
+        worker.started_from(min(got.trained or 0, swarm))
+        self._recovered("checkpoint", [peer], t0, swarm, f"{peer[-6:]}'s checkpoint of the "
+                        f"stage, trained {worker.trained} steps")
+        return True
+
+    async def _rebuild(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+                       t0: float) -> None:
+        """CheckFree (or CheckFree+) from the nearest surviving stages, past any adjacent
+        stage that is lost too (sources.lost_stages); raises when it cannot. The rebuilt
+        stage claims the least trained of its sources (its weights are theirs)."""
+        from node.recovery.checkfree import RecoveryError, plan
+        from node.recovery.sources import lost_stages
+
+        ctx, s, p = self._ctx, self.stage, self.m.pipeline
+        assert ctx is not None and s is not None and p is not None
+        said = self.replica_claims([q for row in smap for q in row])
+        empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {ctx.peer_id}}
+        lost = lost_stages(smap, said, fresh, ctx.peer_id) - {s}
+        try:
+            how = plan(s, list(self.layers), p.recovery, lost)
+        except RecoveryError:
+            # past the untrained stages there is no source (an edge): hosted stages, however
+            # few steps their weights claim (a stalled one steps its clock, not its weights),
+            # beat the seed
+            how = plan(s, list(self.layers), p.recovery, empty)
+        if set(how.sources) & lost:
+            log.info("pipeline: stage %d is rebuilt from stages %s, which claim few trained "
+                     "steps: nothing nearer survives", s, how.sources)
+        elif lost:
+            log.info("pipeline: stages %s are lost too; stage %d is rebuilt from the nearest "
+                     "surviving stages %s", sorted(lost), s, how.sources)
         ends = await self._ends_copy(worker, s, smap) if how.ends else None
         shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.blocks.state_dict().items()}
         blocks: dict[int, Any] = {}
         norms: dict[int, float] = {}
         claims: list[int] = []
         found: list[str] = []
-        for j in how.sources:
-            got, failed = await self.fetcher.first(smap[j], j, "blocks", shapes)
+        for j in how.sources:  # its most trained hosts first
+            hosts = sorted(smap[j], key=lambda q: -(said.get(q) or 0))
+            got, failed = await self.fetcher.first(hosts, j, "blocks", shapes)
             if got is None:
                 raise RecoveryError(f"no host of stage {j}, a source of stage {s}, gave "
                                     f"its blocks (asked {len(smap[j])}"
@@ -720,6 +779,23 @@ class PipelineService:
                  self.stage, step, rule, sources, time.monotonic() - t0,
                  f": {reason}" if reason else "")
 
+    def _held_checkpoint(self, stage: int) -> tuple[int, float, dict[str, Any], int] | None:
+        """This node's own checkpoint of `stage`, which it does not host now (it moved, or
+        restarted on another stage), as a weights answer: a replacement of that stage,
+        lost on every host, takes it if current (docs/pipeline.md, "Adjacent losses")."""
+        ctx = self._ctx
+        if ctx is None or not 0 <= stage < self.n:
+            return None
+        path = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, stage)
+        if not path.exists():
+            return None
+        try:
+            got, model = stage_ckpt.weights(path, self.run_id, stage, list(self.layers))
+        except stage_ckpt.StageCheckpointError as e:
+            log.info("pipeline: not serving this node's checkpoint of stage %d: %s", stage, e)
+            return None
+        return got.step, 0.0, model, got.trained
+
     def _gossiped_norm(self, peer: str) -> float | None:
         ctx = self._ctx
         assert ctx is not None
@@ -743,6 +819,9 @@ class PipelineService:
                     and stage in copies.refreshed_at:
                 step, gnorm, state = copies.refreshed_at[stage], 0.0, copies.get(stage)
                 trained = None
+            elif part == "all" and stage != self.stage and (
+                    held := await trio.to_thread.run_sync(self._held_checkpoint, stage)):
+                step, gnorm, state, trained = held
             elif worker is None or stage != self.stage:
                 await stream.write(pipe.encode_no_weights(
                     f"this node hosts stage {self.stage}, not {stage}" if worker

@@ -87,6 +87,17 @@ def claim(path: Path, run_id: str, stage: int, layers: list[int]) -> Claim:
     return _read(path, run_id, stage, layers)[1]
 
 
+def weights(path: Path, run_id: str, stage: int, layers: list[int]
+            ) -> tuple[Claim, dict[str, Any]]:
+    """The claim and the stage's weights (its state dict, no optimizer), to serve to a
+    replacement of a stage this node hosted before (node/pipe/service.py)."""
+    state, got = _read(path, run_id, stage, layers)
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise StageCheckpointError(f"{path.name}: no weights")
+    return got, model
+
+
 def load(path: Path, runner: Any, run_id: str, layers: list[int], min_step: int = 0) -> Claim:
     """Restore `runner`'s stage and optimizer from `path`; what the file claims.
     StageCheckpointError (nothing changed) when it is not this run's stage and layout, or
