@@ -50,7 +50,7 @@ def test_a_recovering_replica_ranks_its_stage_s_hosts_by_their_heartbeats():
                               ("r2", 1, 0.5, {"step": SWARM, "trained": 990}),
                               ("c2", 2, 0.5, {"step": SWARM}), ("d3", 3, 0.5, {"step": SWARM}),
                               me="z1", stage=1)
-    claims = service.replica_claims(service.stage_map()[1])
+    claims = service.trained_of(service.stage_map()[1])
     assert claims == {"r1": 2, "r2": 990}
     assert rank(claims, None, service.swarm_step(), FRESH)[0].peer == "r2"
 

@@ -537,7 +537,7 @@ class PipelineService:
                             s, e)
         fresh = swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps
         failed: list[str] = []
-        for src in sources.rank(self.replica_claims(smap[s]), claim, swarm, fresh,
+        for src in sources.rank(self.trained_of(smap[s]), claim, swarm, fresh,
                                 checkfree=p.recovery != "none"):
             if src.kind == "replica":
                 assert src.peer is not None
@@ -562,7 +562,7 @@ class PipelineService:
             'recovery = "none": the seed\'s weights' if p.recovery == "none"
             else "no replica, checkpoint or neighbour had its weights"))
 
-    def replica_claims(self, hosts: list[str]) -> dict[str, int | None]:
+    def trained_of(self, hosts: list[str]) -> dict[str, int | None]:
         """`hosts` (less this node) -> the trained steps their heartbeats claim."""
         ctx = self._ctx
         assert ctx is not None
@@ -576,7 +576,7 @@ class PipelineService:
         got, _ = await self.fetcher.first([peer], self.stage or 0, "all", shapes)
         if got is None:
             return False
-        said = self.replica_claims([peer]).get(peer)
+        said = self.trained_of([peer]).get(peer)
         trained = got[1].trained if got[1].trained is not None else said or 0
         await trio.to_thread.run_sync(worker.load_copy, got[1].tensors)
         worker.started_from(min(trained, swarm))
@@ -645,7 +645,7 @@ class PipelineService:
 
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
-        said = self.replica_claims([q for row in smap for q in row])
+        said = self.trained_of([q for row in smap for q in row])
         empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {ctx.peer_id}}
         lost = lost_stages(smap, said, fresh, ctx.peer_id) - {s}
         try:
