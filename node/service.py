@@ -112,12 +112,12 @@ class NodeContext:
         if self.run is not None:
             p = self.run.progress
             # `trained`: what our weights embody (<= step, the round clock); a partner's
-            # averaged round credits us with it (node/training/service.py). Pipeline stage
-            # hosts do not count it.
+            # averaged round credits us with it (node/training/service.py), and a recovering
+            # stage prefers the replica whose stage weights claim the most
+            # (node/recovery/sources.py).
             stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
-                         gnorm=p.grad_norm)  # CheckFree weighs a lost stage's neighbours by it
-            if self.run.manifest.pipeline is None:
-                stats["trained"] = p.trained
+                         gnorm=p.grad_norm,  # CheckFree weighs a lost stage's neighbours by it
+                         trained=p.trained)
             # When written (our wall clock): gossip can deliver it late; the median over
             # the peers also tells each node how far its own clock is off the swarm's.
             stats["t"] = round(time.time(), 1)

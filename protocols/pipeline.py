@@ -442,19 +442,23 @@ def _short(value: Any) -> str:
 # a live replica is copied from it. The asker sends one envelope and reads one answer:
 #
 #     ask:    pipe.wget {run, stage, part: "blocks" | "all" | "ends"}
-#     answer: pipe.weights {run, stage, step, gnorm, names, shapes} then one fp32 tensor
-#             frame per name, in order;  or  pipe.wnone {reason}
+#     answer: pipe.weights {run, stage, step, gnorm, names, shapes[, trained]} then one
+#             fp32 tensor frame per name, in order;  or  pipe.wnone {reason}
 #
 # The asker knows every stage's layout (it cuts the same manifest), so `WeightsReceiver`
 # is built with the exact names and shapes it accepts and checks the answer's envelope
 # and every tensor header against them before anything is allocated; a non-finite value
 # refuses the whole answer. `gnorm` is the stage's last gradient norm after clipping (the
-# asker validates it: node/recovery/checkfree.check_grad_norm).
+# asker validates it: node/recovery/checkfree.check_grad_norm). `step` is the host's clock,
+# `trained` the steps the weights were trained (0 from the seed; absent from a node older
+# than 2026-11-27: unknown), which the asker caps at the swarm's step
+# (docs/pipeline.md, "What a stage's weights claim").
 
 WEIGHTS_PROTOCOL_ID: Final = "/peertrain/pipe-weights/1.0.0"
 WEIGHTS_DTYPE: Final = "float32"
 MAX_WEIGHT_TENSORS: Final = 4096
 _WEIGHTS_BODY: Final = frozenset({"run", "stage", "step", "gnorm", "names", "shapes"})
+_WEIGHTS_BODIES: Final = (_WEIGHTS_BODY, _WEIGHTS_BODY | {"trained"})
 WEIGHTS_DEADLINE_S: Final = 60.0
 #: What a stage host reads from an asker: one small envelope, no tensor.
 WEIGHTS_REQUEST_LIMITS: Final = StreamLimits(WEIGHTS_PROTOCOL_ID + " request", 512,
@@ -471,6 +475,7 @@ class WeightsReceived:
     step: int
     gnorm: float
     tensors: dict[str, torch.Tensor]
+    trained: int | None = None  # None: an older host did not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,7 +518,8 @@ def encode_no_weights(reason: str) -> bytes:
 
 
 def encode_weights(run: str, stage: int, step: int, gnorm: float,
-                   tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+                   tensors: dict[str, torch.Tensor], trained: int | None = None
+                   ) -> list[bytes | memoryview]:
     """The answer's gather list: envelope, then one fp32 tensor frame per name."""
     import torch
 
@@ -522,6 +528,8 @@ def encode_weights(run: str, stage: int, step: int, gnorm: float,
             for k in names}
     body = {"run": run, "stage": stage, "step": step, "gnorm": float(gnorm), "names": names,
             "shapes": [list(wire[k].shape) for k in names]}
+    if trained is not None:
+        body["trained"] = trained
     out: list[bytes | memoryview] = [encode_envelope(Envelope("pipe.weights", 0, body),
                                                      max_frame_bytes=1 << 20)]
     for k in names:
@@ -574,13 +582,17 @@ class WeightsReceiver:
         if env.type != "pipe.weights":
             raise RemoteProtocolError(f"unexpected message type {_short(env.type)}")
         b = env.body
-        if not isinstance(b, dict) or set(b) != _WEIGHTS_BODY:
-            raise RemoteProtocolError(f"pipe.weights body must have {sorted(_WEIGHTS_BODY)}")
+        if not isinstance(b, dict) or set(b) not in _WEIGHTS_BODIES:
+            raise RemoteProtocolError(f"pipe.weights body must have {sorted(_WEIGHTS_BODY)} "
+                                      "and may have trained")
         if b["run"] != self.run or b["stage"] != self.stage:
             raise RemoteProtocolError(f"weights of run {_short(b['run'])} stage "
                                       f"{_short(b['stage'])}, asked {self.run} {self.stage}")
         if type(b["step"]) is not int or not 0 <= b["step"] < MAX_STEP:
             raise RemoteProtocolError(f"step must be an int >= 0, got {_short(b['step'])}")
+        trained = b.get("trained", 0)
+        if type(trained) is not int or not 0 <= trained < MAX_STEP:
+            raise RemoteProtocolError(f"trained must be an int >= 0, got {_short(trained)}")
         if not isinstance(b["gnorm"], float | int) or isinstance(b["gnorm"], bool):
             raise RemoteProtocolError(f"gnorm must be a number, got {_short(b['gnorm'])}")
         names, shapes = b["names"], b["shapes"]
@@ -619,4 +631,5 @@ class WeightsReceiver:
         if self._order:
             return None
         head, self._head = self._head, None
-        return WeightsReceived(head["stage"], head["step"], float(head["gnorm"]), self._got)
+        return WeightsReceived(head["stage"], head["step"], float(head["gnorm"]), self._got,
+                               head.get("trained"))

@@ -261,6 +261,9 @@ def test_a_stage_s_weights_arrive_whole_and_exact() -> None:
     state = {"0.w": torch.randn(4, 8), "0.b": torch.randn(8)}
     (ev,) = weights_events(pipe.encode_weights(RUN, 1, 42, 0.5, state))
     assert isinstance(ev, pipe.WeightsReceived) and (ev.step, ev.gnorm) == (42, 0.5)
+    assert ev.trained is None  # an older host's answer: no claim of trained steps
+    (ev,) = weights_events(pipe.encode_weights(RUN, 1, 42, 0.5, state, trained=7))
+    assert (ev.step, ev.trained) == (42, 7)
     assert all(torch.equal(ev.tensors[k], state[k]) for k in state)
     (none,) = weights_events([pipe.encode_no_weights("not training yet")])
     assert isinstance(none, pipe.NoWeights) and none.reason == "not training yet"

@@ -34,9 +34,9 @@ def test_a_checkpoint_restores_weights_adam_and_the_lr_scale(tmp_path: Path):
     a.reset_optimizer(1.1)  # a CheckFree rebuild raised this stage's learning rate
     trained(a, 2)
     path = stage_ckpt.path_for(tmp_path, RUN, 1)
-    stage_ckpt.save(path, a, RUN, LAYERS, step=40)
+    stage_ckpt.save(path, a, RUN, LAYERS, step=40, trained=35)
     b = runner(seed=1)  # another start: the checkpoint must overwrite all of it
-    assert stage_ckpt.load(path, b, RUN, LAYERS) == 40
+    assert stage_ckpt.load(path, b, RUN, LAYERS) == stage_ckpt.Claim(step=40, trained=35)
     for (k, va), vb in zip(a.stage.state_dict().items(), b.stage.state_dict().values(),
                            strict=True):
         assert torch.equal(va, vb), k
@@ -62,7 +62,7 @@ def test_a_checkpoint_restores_weights_adam_and_the_lr_scale(tmp_path: Path):
 def test_a_foreign_checkpoint_is_refused_and_changes_nothing(tmp_path, run, stage, layers,
                                                              match):
     path = tmp_path / "ckpt.safetensors"
-    stage_ckpt.save(path, trained(runner(stage)), run, layers, step=10)
+    stage_ckpt.save(path, trained(runner(stage)), run, layers, step=10, trained=10)
     r = runner(1)
     before = {k: v.clone() for k, v in r.stage.state_dict().items()}
     with pytest.raises(stage_ckpt.StageCheckpointError, match=match):
@@ -72,7 +72,7 @@ def test_a_foreign_checkpoint_is_refused_and_changes_nothing(tmp_path, run, stag
 
 def test_a_damaged_checkpoint_is_refused(tmp_path):
     path = stage_ckpt.path_for(tmp_path, RUN, 1)
-    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10)
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10, trained=10)
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(stage_ckpt.StageCheckpointError, match="unreadable"):
         stage_ckpt.load(path, runner(), RUN, LAYERS)
@@ -80,11 +80,41 @@ def test_a_damaged_checkpoint_is_refused(tmp_path):
 
 def test_a_checkpoint_older_than_asked_is_refused(tmp_path):
     path = stage_ckpt.path_for(tmp_path, RUN, 1)
-    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10)
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10, trained=10)
     r = runner()
     before = {k: v.clone() for k, v in r.stage.state_dict().items()}
     with pytest.raises(stage_ckpt.StageCheckpointError, match="older than step 11"):
         stage_ckpt.load(path, r, RUN, LAYERS, min_step=11)
     assert all(torch.equal(before[k], v) for k, v in r.stage.state_dict().items())
-    assert stage_ckpt.load(path, r, RUN, LAYERS, min_step=10) == 10
+    assert stage_ckpt.load(path, r, RUN, LAYERS, min_step=10).trained == 10
+
+
+def test_seed_weights_saved_at_a_late_clock_are_as_old_as_the_seed(tmp_path):
+    """A stage that started from the seed at the swarm's step 1000 and trained 3 steps:
+    its checkpoint says so, and a restart asking for weights trained since step 750 (10
+    intervals behind the swarm) refuses it, though it was written at step 1003."""
+    path = stage_ckpt.path_for(tmp_path, RUN, 1)
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=1003, trained=3)
+    assert stage_ckpt.claim(path, RUN, 1, LAYERS) == stage_ckpt.Claim(1003, 3)
+    with pytest.raises(stage_ckpt.StageCheckpointError, match="trained 3 steps"):
+        stage_ckpt.load(path, runner(), RUN, LAYERS, min_step=750)
+    # a claim above the clock is not written
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=10, trained=99)
+    assert stage_ckpt.claim(path, RUN, 1, LAYERS).trained == 10
+
+
+def test_a_checkpoint_from_before_trained_claims_nothing(tmp_path):
+    """Format 1 recorded only the clock, which may be the swarm's over seed weights: it is
+    read as 0 trained steps (used only where nothing trained is left)."""
+    from safetensors.torch import load, save
+
+    from node.training.state import from_tensors, to_tensors
+
+    path = stage_ckpt.path_for(tmp_path, RUN, 1)
+    stage_ckpt.save(path, trained(runner()), RUN, LAYERS, step=500, trained=500)
+    state = from_tensors(load(path.read_bytes()))
+    del state["trained"]
+    state["format"] = 1
+    path.write_bytes(save(to_tensors(state)))
+    assert stage_ckpt.claim(path, RUN, 1, LAYERS) == stage_ckpt.Claim(500, 0)
 

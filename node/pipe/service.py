@@ -52,6 +52,7 @@ FIRST_VIEW_S = 3.0  # a joiner waits at most this for a first heartbeat before c
 JOIN_TIMEOUT_S = 30.0
 STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 ENDS_EVERY_S = 10.0  # CheckFree+: how often a neighbour refreshes its copy of an edge's ends
+PEER_CHECKPOINTS_S = 20.0  # a recovery waits at most this for other peers' stage checkpoints
 
 
 class PipelineService:
@@ -508,82 +509,186 @@ class PipelineService:
     # -- recovery: a stage that starts while the run trains --------------------------------
 
     async def _recover(self, worker: Any) -> None:
-        """Mid-run, a stage is not drawn from the seed: it is copied from a live replica
-        (any that answers), else resumed from this node's own checkpoint of it, else
-        rebuilt from its neighbours (CheckFree: every host of each source stage is asked),
-        else resumed from that checkpoint however old; only then the seed's weights,
-        with the reasons logged (docs/pipeline.md, "Recovery live")."""
+        """Mid-run, a stage is not drawn from the seed: it takes the most trained weights
+        it can reach, by the rule of node/recovery/sources.py (docs/pipeline.md, "What a
+        stage's weights claim"): a live replica or this node's own checkpoint of the stage
+        whose weights are current, else a rebuild from its neighbours (CheckFree: every
+        host of each source stage is asked), else the stale ones, most trained first; only
+        then the seed's weights, with the reasons logged. Each source's claim of trained
+        steps, never the clock, ranks it and goes with its weights (`worker.trained`)."""
+        from node.recovery import sources
+
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
         swarm = self.swarm_step()
         if swarm == 0:
+            worker.started_from(0)
             return  # a fresh run: every stage starts from the run's seed
         t0 = time.monotonic()
         smap = self.stage_map()
-        stage = worker.runner.stage
-        replicas = [q for q in smap[s] if q != ctx.peer_id]
-        shapes = {k: tuple(v.shape) for k, v in stage.state_dict().items()}
-        copied, _ = await self.fetcher.first(replicas, s, "all", shapes)
-        if copied is not None:
-            await trio.to_thread.run_sync(worker.load_copy, copied[1].tensors)
-            self._recovered("copy", [copied[0]], t0, swarm)
-            return
         own = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, s)
-
-        async def resume(oldest: int) -> bool:  # from this node's checkpoint of the stage
-            if not own.exists():
-                return False
+        claim: int | None = None
+        if own.exists():
             try:
-                step = await trio.to_thread.run_sync(stage_ckpt.load, own, worker.runner,
-                                                     self.run_id, list(self.layers), oldest)
+                claim = (await trio.to_thread.run_sync(
+                    stage_ckpt.claim, own, self.run_id, s, list(self.layers))).trained
             except stage_ckpt.StageCheckpointError as e:
                 log.warning("pipeline: this node's checkpoint of stage %d is not used: %s",
                             s, e)
-                return False
-            self._recovered("checkpoint", [], t0, swarm, f"this node's checkpoint of step "
-                            f"{step}, {max(swarm - step, 0)} steps behind the swarm")
-            return True
+        fresh = swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps
+        failed: list[str] = []
+        for src in sources.rank(self.trained_of(smap[s]), claim, swarm, fresh,
+                                checkfree=p.recovery != "none"):
+            if src.kind == "replica":
+                assert src.peer is not None
+                if await self._copy(worker, src.peer, swarm, t0):
+                    return
+            elif src.kind == "checkpoint":
+                if await self._resume(worker, own, swarm, t0):
+                    return
+            elif src.kind == "peers":
+                if await self._from_peers(worker, smap, swarm, fresh, t0):
+                    return
+            elif src.kind == "checkfree":
+                try:
+                    await self._rebuild(worker, smap, swarm, fresh, t0)
+                    return
+                except Exception as e:  # RecoveryError, BadGradNorm, no neighbour answered
+                    log.warning("pipeline: stage %d cannot be rebuilt (%s)", s, why(e))
+                    failed.append(why(e))
+        log.warning("pipeline: stage %d starts from the seed's weights", s)
+        worker.started_from(0)
+        self._recovered("none", [], t0, swarm, "; ".join(failed) or (
+            'recovery = "none": the seed\'s weights' if p.recovery == "none"
+            else "no replica, checkpoint or neighbour had its weights"))
 
-        # an old one (a host back after days): the neighbours' weights are fresher
-        if await resume(swarm - STALE_CHECKPOINTS * self.m.checkpoint.every_steps):
-            return
-        if p.recovery == "none":
-            self._recovered("none", [], t0, swarm, 'recovery = "none": the seed\'s weights')
-            return
-        from node.recovery.checkfree import RecoveryError, plan
+    def trained_of(self, hosts: list[str]) -> dict[str, int | None]:
+        """`hosts` (less this node) -> the trained steps their heartbeats claim."""
+        ctx = self._ctx
+        assert ctx is not None
+        said = {e.peer_id: (e.info.get("stats") or {}).get("trained") for e in self.live()}
+        return {q: t if type(t := said.get(q)) is int else None
+                for q in hosts if q != ctx.peer_id}
 
+    async def _copy(self, worker: Any, peer: str, swarm: int, t0: float) -> bool:
+        """A live replica's weights and its claim (its answer's, else its heartbeats')."""
+        shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.state_dict().items()}
+        got, _ = await self.fetcher.first([peer], self.stage or 0, "all", shapes)
+        if got is None:
+            return False
+        said = self.trained_of([peer]).get(peer)
+        trained = got[1].trained if got[1].trained is not None else said or 0
+        await trio.to_thread.run_sync(worker.load_copy, got[1].tensors)
+        worker.started_from(min(trained, swarm))
+        self._recovered("copy", [peer], t0, swarm, f"{worker.trained} trained steps")
+        return True
+
+    async def _resume(self, worker: Any, own: Any, swarm: int, t0: float) -> bool:
+        """This node's own checkpoint of the stage, whatever its claim (ranked already)."""
         try:
-            how = await trio.to_thread.run_sync(plan, s, list(self.layers), p.recovery)
-            ends = await self._ends_copy(worker, s, smap) if how.ends else None
-            shapes = {k: tuple(v.shape) for k, v in stage.blocks.state_dict().items()}
-            blocks: dict[int, Any] = {}
-            norms: dict[int, float] = {}
-            sources: list[str] = []
-            for j in how.sources:
-                got, failed = await self.fetcher.first(smap[j], j, "blocks", shapes)
-                if got is None:
-                    raise RecoveryError(f"no host of stage {j}, a source of stage {s}, gave "
-                                        f"its blocks (asked {len(smap[j])}"
-                                        f"{': ' if failed else ''}{'; '.join(failed)})")
-                peer, answer = got
-                blocks[j] = answer.tensors
-                gossiped = self._gossiped_norm(peer)
-                norms[j] = gossiped if gossiped is not None else answer.gnorm
-                sources.append(peer)
-            await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
-                                          self.m.train.grad_clip, p.lr_boost)
-            if ends is not None:
-                holder, tensors = ends
-                await trio.to_thread.run_sync(worker.load_ends, tensors)
-                sources += [holder] if holder not in sources else []
-        except Exception as e:  # RecoveryError, BadGradNorm, no neighbour answered
-            log.warning("pipeline: stage %d cannot be rebuilt (%s)", s, why(e))
-            if not await resume(0):
-                log.warning("pipeline: stage %d starts from the seed's weights", s)
-                self._recovered("none", [], t0, swarm, why(e))
-            return
+            got = await trio.to_thread.run_sync(stage_ckpt.load, own, worker.runner,
+                                                self.run_id, list(self.layers), 0)
+        except stage_ckpt.StageCheckpointError as e:
+            log.warning("pipeline: this node's checkpoint of stage %s is not used: %s",
+                        self.stage, e)
+            return False
+        worker.started_from(min(got.trained, swarm))
+        self._recovered("checkpoint", [], t0, swarm, f"this node's checkpoint of step "
+                        f"{got.step}, trained {got.trained} steps, "
+                        f"{max(swarm - got.trained, 0)} behind the swarm")
+        return True
+
+    async def _from_peers(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+                          t0: float) -> bool:
+        """Another peer's own checkpoint of our stage (one that hosted it before), if its
+        weights are current: every live peer that does not host it is asked at once, the
+        first current answer taken (a refusal from each peer that holds none)."""
+        from node.recovery.sources import is_current
+
+        ctx, s = self._ctx, self.stage
+        assert ctx is not None and s is not None
+        peers = [e.peer_id for e in self.live() if e.info.get("role") == "node"
+                 and e.peer_id != ctx.peer_id and e.peer_id not in smap[s]]
+        shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.state_dict().items()}
+        found: list[tuple[str, Any]] = []
+
+        async def ask(peer: str, cancel: trio.CancelScope) -> None:
+            try:
+                got = await self.fetcher.fetch_once(peer, s, "all", shapes)
+            except Exception as e:
+                log.debug("pipeline: no checkpoint of stage %d from %s: %s", s, peer, why(e))
+                return
+            if is_current(got.trained, fresh) and not found:
+                found.append((peer, got))
+                cancel.cancel()
+
+        with trio.move_on_after(PEER_CHECKPOINTS_S):  # a peer that hangs delays CheckFree
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(ask, peer, nursery.cancel_scope)
+        if not found:
+            return False
+        peer, got = found[0]
+        await trio.to_thread.run_sync(worker.load_copy, got.tensors)
+        worker.started_from(min(got.trained or 0, swarm))
+        self._recovered("checkpoint", [peer], t0, swarm, f"{peer[-6:]}'s checkpoint of the "
+                        f"stage, trained {worker.trained} steps")
+        return True
+
+    async def _rebuild(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+                       t0: float) -> None:
+        """CheckFree (or CheckFree+) from the nearest surviving stages, past any adjacent
+        stage that is lost too (sources.lost_stages); raises when it cannot. The rebuilt
+        stage claims the least trained of its sources (its weights are theirs)."""
+        from node.recovery.checkfree import RecoveryError, plan
+        from node.recovery.sources import lost_stages
+
+        ctx, s, p = self._ctx, self.stage, self.m.pipeline
+        assert ctx is not None and s is not None and p is not None
+        said = self.trained_of([q for row in smap for q in row])
+        empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {ctx.peer_id}}
+        lost = lost_stages(smap, said, fresh, ctx.peer_id) - {s}
+        try:
+            how = plan(s, list(self.layers), p.recovery, lost)
+        except RecoveryError:
+            # past the untrained stages there is no source (an edge): hosted stages, however
+            # few steps their weights claim (a stalled one steps its clock, not its weights),
+            # beat the seed
+            how = plan(s, list(self.layers), p.recovery, empty)
+        if set(how.sources) & lost:
+            log.info("pipeline: stage %d is rebuilt from stages %s, which claim few trained "
+                     "steps: nothing nearer survives", s, how.sources)
+        elif lost:
+            log.info("pipeline: stages %s are lost too; stage %d is rebuilt from the nearest "
+                     "surviving stages %s", sorted(lost), s, how.sources)
+        ends = await self._ends_copy(worker, s, smap) if how.ends else None
+        shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.blocks.state_dict().items()}
+        blocks: dict[int, Any] = {}
+        norms: dict[int, float] = {}
+        claims: list[int] = []
+        found: list[str] = []
+        for j in how.sources:  # its most trained hosts first
+            hosts = sorted(smap[j], key=lambda q: -(said.get(q) or 0))
+            got, failed = await self.fetcher.first(hosts, j, "blocks", shapes)
+            if got is None:
+                raise RecoveryError(f"no host of stage {j}, a source of stage {s}, gave "
+                                    f"its blocks (asked {len(smap[j])}"
+                                    f"{': ' if failed else ''}{'; '.join(failed)})")
+            peer, answer = got
+            blocks[j] = answer.tensors
+            gossiped = self._gossiped_norm(peer)
+            norms[j] = gossiped if gossiped is not None else answer.gnorm
+            claims.append(answer.trained if answer.trained is not None else 0)
+            found.append(peer)
+        await trio.to_thread.run_sync(worker.rebuild, how, blocks, norms,
+                                      self.m.train.grad_clip, p.lr_boost)
+        if ends is not None:
+            holder, tensors = ends
+            await trio.to_thread.run_sync(worker.load_ends, tensors)
+            found += [holder] if holder not in found else []
+        worker.started_from(min([*claims, swarm]))
         rule = how.rule if ends is None else "ends" if how.rule == "none" else f"{how.rule}+ends"
-        self._recovered(rule, sources, t0, swarm, norms={str(k): v for k, v in norms.items()})
+        self._recovered(rule, found, t0, swarm, norms={str(k): v for k, v in norms.items()})
 
     def _checkpoint_hook(self, worker: Any) -> Any:
         """The worker's on_step: the stage's own checkpoint every checkpoint.every_steps
@@ -597,7 +702,8 @@ class PipelineService:
             if step <= 0 or step % every:
                 return
             try:
-                stage_ckpt.save(path, worker.runner, self.run_id, list(self.layers), step)
+                stage_ckpt.save(path, worker.runner, self.run_id, list(self.layers), step,
+                                worker.trained)
             except OSError as e:
                 log.warning("pipeline: stage %d's checkpoint at step %d not written: %s",
                             s, step, e)
@@ -673,6 +779,23 @@ class PipelineService:
                  self.stage, step, rule, sources, time.monotonic() - t0,
                  f": {reason}" if reason else "")
 
+    def _held_checkpoint(self, stage: int) -> tuple[int, float, dict[str, Any], int] | None:
+        """This node's own checkpoint of `stage`, which it does not host now (it moved, or
+        restarted on another stage), as a weights answer: a replacement of that stage,
+        lost on every host, takes it if current (docs/pipeline.md, "Adjacent losses")."""
+        ctx = self._ctx
+        if ctx is None or not 0 <= stage < self.n:
+            return None
+        path = stage_ckpt.path_for(ctx.config.state_dir, self.run_id, stage)
+        if not path.exists():
+            return None
+        try:
+            got, model = stage_ckpt.weights(path, self.run_id, stage, list(self.layers))
+        except stage_ckpt.StageCheckpointError as e:
+            log.info("pipeline: not serving this node's checkpoint of stage %d: %s", stage, e)
+            return None
+        return got.step, 0.0, model, got.trained
+
     def _gossiped_norm(self, peer: str) -> float | None:
         ctx = self._ctx
         assert ctx is not None
@@ -695,16 +818,21 @@ class PipelineService:
             if part == "ends" and stage != self.stage and copies is not None \
                     and stage in copies.refreshed_at:
                 step, gnorm, state = copies.refreshed_at[stage], 0.0, copies.get(stage)
+                trained = None
+            elif part == "all" and stage != self.stage and (
+                    held := await trio.to_thread.run_sync(self._held_checkpoint, stage)):
+                step, gnorm, state, trained = held
             elif worker is None or stage != self.stage:
                 await stream.write(pipe.encode_no_weights(
                     f"this node hosts stage {self.stage}, not {stage}" if worker
                     else "not training yet"))
                 return
             else:
-                step, gnorm, state = await trio.to_thread.run_sync(worker.snapshot, part)
+                step, gnorm, state, trained = await trio.to_thread.run_sync(worker.snapshot,
+                                                                            part)
             with trio.fail_after(pipe.WEIGHTS_DEADLINE_S):
                 await write_chunks(stream, pipe.encode_weights(self.run_id, stage, step,
-                                                               gnorm, state))
+                                                               gnorm, state, trained))
             self.weights_served += 1
         finally:
             with contextlib.suppress(Exception), trio.move_on_after(2):

@@ -116,6 +116,10 @@ class StageWorker:
         self.ready = ready
         self.device = device
         self.step = first_step
+        # The steps the stage's weights were trained (0: the seed's), which its checkpoints
+        # and the weights it serves claim; `step` is the pipeline's clock, which follows the
+        # swarm whatever the weights are (docs/pipeline.md, "What a stage's weights claim").
+        self.trained = 0
         self.first_wait_s = first_wait_s  # the deadline until a step has been measured
         # First-stage replicas keep in step: one behind the most advanced replica's step
         # jumps to it (else its micro-batches reach stages already past that step, stale).
@@ -134,9 +138,9 @@ class StageWorker:
 
     # -- recovery (called from other threads before run(), or while it runs) ------------
 
-    def snapshot(self, part: str) -> tuple[int, float, dict[str, Any]]:
-        """(step, gradient norm after clipping, weights): "blocks", "ends" or "all" of the
-        stage."""
+    def snapshot(self, part: str) -> tuple[int, float, dict[str, Any], int]:
+        """(step, gradient norm after clipping, weights, trained steps): "blocks", "ends"
+        or "all" of the stage."""
         stage = self.runner.stage
         with self.lock:
             if part == "blocks":
@@ -146,7 +150,18 @@ class StageWorker:
             else:
                 state = {k: v.detach().clone() for k, v in stage.state_dict().items()}
             return self.progress.step, float(self.runner.grad_norm), \
-                {k: v.cpu() for k, v in state.items()}
+                {k: v.cpu() for k, v in state.items()}, self.trained
+
+    def started_from(self, trained: int) -> None:
+        """The steps the weights a recovery loaded were trained (the source's claim)."""
+        self.trained = self.progress.trained = max(0, trained)
+
+    def _apply(self) -> None:
+        """One optimizer step on the stage: the weights are trained one more step."""
+        with self.lock:
+            self.runner.step()
+            self.trained += 1
+        self.progress.trained = self.trained
 
     def load_copy(self, state: dict[str, Any]) -> None:
         """A live replica's weights (a stage that still has one is copied, not rebuilt)."""
@@ -307,8 +322,7 @@ class StageWorker:
             self._lost(f"step {t}: {len(pending)} micro-batches not back within "
                        f"{self.wait_s():.1f} s", len(pending))
         if done:
-            with self.lock:
-                r.step()
+            self._apply()
             self.progress.grad_norm = round(r.grad_norm, 6)
             self.stats.micro_batches += done
         r.optimizer.zero_grad(set_to_none=True)
@@ -388,8 +402,7 @@ class StageWorker:
                     self.post(("stage", 0), "tgrad", 0, cur, 0, 0, r.stage.tied_grad().detach(),
                               "")
                     r.stage.tied.grad = None
-                with self.lock:
-                    r.step()
+                self._apply()
                 self.progress.grad_norm = round(r.grad_norm, 6)
                 self._timed(t_start, last_back)
                 if losses:

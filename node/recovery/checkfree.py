@@ -11,6 +11,11 @@ Rules (specs/algorithms.md §4c, from gensyn-ai/CheckFree's simulation code):
   two and the last two stages with blocks can stand in for each other: a lost one of those
   four is a **copy** of its swap partner, and a lost embedding or head (the ends) is the
   copy its neighbour keeps (`EdgeCopies`). A tied embedding is copied, never averaged.
+- **Adjacent losses** (stages a..b all lost, or holding only untrained weights): each is
+  rebuilt from the nearest surviving stage on each side, a-1 and b+1, with the same
+  formula and each side's ω divided by its distance in stages (the nearer side counts
+  more; a single loss has distance 1 on both sides: CheckFree itself). docs/pipeline.md,
+  "Adjacent losses".
 - **Baselines** for the benchmark: a 0.5/0.5 neighbour average (`neighbour_average`, the
   reference's network emulation) and a fresh initialisation.
 
@@ -21,7 +26,7 @@ these rules are for a stage with none left. Pure functions over state dicts: no 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,10 +87,10 @@ def _finite(state: State, what: str) -> None:
             raise RecoveryError(f"{what}: {k} holds NaN or inf")
 
 
-def checkfree_weights(norm_prev: float, norm_next: float, eps: float = EPS
-                      ) -> tuple[float, float]:
-    """The two neighbours' weights, normalised to sum to 1."""
-    w_prev, w_next = norm_prev + eps, norm_next + eps
+def checkfree_weights(norm_prev: float, norm_next: float, eps: float = EPS,
+                      distances: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """The two sources' weights, ω / distance each, normalised to sum to 1."""
+    w_prev, w_next = (norm_prev + eps) / distances[0], (norm_next + eps) / distances[1]
     return w_prev / (w_prev + w_next), w_next / (w_prev + w_next)
 
 
@@ -100,9 +105,12 @@ def weighted_average(prev: State, nxt: State, w_prev: float, w_next: float
 
 
 def checkfree_average(prev: State, nxt: State, norm_prev: float, norm_next: float,
-                      eps: float = EPS) -> dict[str, torch.Tensor]:
-    """CheckFree's rebuilt blocks: the gradient-norm-weighted average of the neighbours'."""
-    w_prev, w_next = checkfree_weights(norm_prev, norm_next, eps)
+                      eps: float = EPS, distances: tuple[int, int] = (1, 1)
+                      ) -> dict[str, torch.Tensor]:
+    """CheckFree's rebuilt blocks: the gradient-norm-weighted average of the neighbours'
+    (of the nearest surviving stages, each weighed by 1 / its distance, past adjacent
+    losses)."""
+    w_prev, w_next = checkfree_weights(norm_prev, norm_next, eps, distances)
     return weighted_average(prev, nxt, w_prev, w_next)
 
 
@@ -113,22 +121,26 @@ def neighbour_average(prev: State, nxt: State) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """How to rebuild a lost stage: `rule` "average" (from `sources`, both neighbours) or
-    "copy" (from `sources[0]`, the swap partner), plus the ends copy to restore if the
-    stage held the embedding or the head."""
+    """How to rebuild a lost stage: `rule` "average" (from `sources`, the nearest
+    surviving stage on each side, `distances` away) or "copy" (from `sources[0]`, the swap
+    partner), plus the ends copy to restore if the stage held the embedding or the head."""
 
     stage: int
     rule: Literal["average", "copy", "none"]
     sources: tuple[int, ...]
     ends: bool  # restore the embedding / head from the copy a neighbour keeps
+    distances: tuple[int, ...] = (1, 1)  # "average": how many stages away each source is
 
 
-def plan(lost: int, layers: Sequence[int], mode: Mode) -> Plan:
-    """Which rule rebuilds stage `lost` of a pipeline with `layers` blocks per stage.
+def plan(lost: int, layers: Sequence[int], mode: Mode, lost_too: Collection[int] = ()
+         ) -> Plan:
+    """Which rule rebuilds stage `lost` of a pipeline with `layers` blocks per stage, when
+    the stages in `lost_too` are lost as well (no host, or only untrained weights).
 
-    CheckFree: an interior stage (both neighbours hold as many blocks). CheckFree+: also
-    the first two and last two stages with blocks, copied from their swap partner, and
-    0-block end stages (embedding / head only), restored from their neighbour's copy.
+    CheckFree: an interior stage, from the nearest surviving stage on each side (the
+    neighbours for a single loss), both holding as many blocks. CheckFree+: also the first
+    two and last two stages with blocks, copied from their swap partner where it survives,
+    and 0-block end stages (embedding / head only), restored from their neighbour's copy.
     """
     n = len(layers)
     if not 0 <= lost < n:
@@ -139,16 +151,19 @@ def plan(lost: int, layers: Sequence[int], mode: Mode) -> Plan:
             return Plan(lost, "none", (), True)
         raise RecoveryError(f"stage {lost} holds only the (de)embedding: CheckFree+ restores "
                             "it from its neighbour's copy; CheckFree cannot")
+    gone = set(lost_too) | {lost}
     if mode == "checkfree+":
         partner = swap_partner(lost, layers)
-        if partner is not None:
+        if partner is not None and partner not in gone:
             return Plan(lost, "copy", (partner,), ends)
-    prev, nxt = lost - 1, lost + 1
+    prev = max((j for j in range(lost) if j not in gone), default=-1)
+    nxt = min((j for j in range(lost + 1, n) if j not in gone), default=n)
     if prev < 0 or nxt >= n or layers[prev] != layers[lost] or layers[nxt] != layers[lost]:
         raise RecoveryError(
-            f"stage {lost} is an edge of the pipeline (layers {list(layers)}): CheckFree "
-            "averages two neighbours with as many blocks; CheckFree+ covers edge stages")
-    return Plan(lost, "average", (prev, nxt), False)
+            f"stage {lost} is an edge of the pipeline (layers {list(layers)}, lost "
+            f"{sorted(gone)}): CheckFree averages the nearest surviving stage on each side, "
+            "holding as many blocks; CheckFree+ covers edge stages")
+    return Plan(lost, "average", (prev, nxt), False, (lost - prev, nxt - lost))
 
 
 def rebuild_blocks(p: Plan, blocks: Mapping[int, State], norms: Mapping[int, float],
@@ -168,9 +183,10 @@ def rebuild_blocks(p: Plan, blocks: Mapping[int, State], norms: Mapping[int, flo
     if prev not in norms or nxt not in norms:
         raise RecoveryError(f"stage {p.stage}: no gradient norm from stage "
                             f"{prev if prev not in norms else nxt}")
+    d_prev, d_next = p.distances
     return checkfree_average(blocks[prev], blocks[nxt],
                              check_grad_norm(norms[prev], grad_clip),
-                             check_grad_norm(norms[nxt], grad_clip), eps)
+                             check_grad_norm(norms[nxt], grad_clip), eps, (d_prev, d_next))
 
 
 class EdgeCopies:
