@@ -116,13 +116,17 @@ def _age(seconds: float) -> str:
 
 def _short_phase(phase: str) -> str:
     """The compact table's phase: `stalled: waiting for stage 2 since 40 s` as
-    `stalled>2 40s` (`>2!`: stage 2 has no live host)."""
-    if phase.startswith("stalled: waiting for stage"):
-        which, _, since = phase.split("waiting for stage", 1)[1].partition(" since ")
-        which = which.strip().removeprefix("s ").replace(" (no live host)", "!")
+    `stalled>2 40s` (`>2!`: stage 2 has no live host; `q21`: 21 messages queued here)."""
+    if phase.startswith("stalled: "):
+        what, _, since = phase.removeprefix("stalled: ").partition(" since ")
+        if what.startswith("waiting for stage"):
+            what = ">" + what.removeprefix("waiting for stage").strip().removeprefix(
+                "s ").replace(" (no live host)", "!").replace(" ", "")
+        else:
+            what = " q" + what.split()[0]
         seconds = since.removesuffix(" s")
         age = _age(float(seconds)).replace(" min", "m") if seconds.isdigit() else since
-        return f"stalled>{which.replace(' ', '')} {age.replace(' s', 's')}"
+        return f"stalled{what} {age.replace(' s', 's')}"
     return _SHORT_PHASES.get(phase, phase)
 
 

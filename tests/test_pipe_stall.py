@@ -61,7 +61,10 @@ def test_one_lost_step_is_not_a_stall_and_a_recovery_says_how_long_it_has_lasted
     text, st = stall.current("training", 0.0, "training", watch, 5.0, [["a"]] * 4, 131.0)
     assert text == "stalled: waiting for stage 3 since 31 s"
     assert st is not None and st.to_json() == {"stages": [3], "since_s": 31.0,
-                                               "no_host": False}
+                                               "no_host": False, "queued": 0}
+    # what it waits for has come: this host is behind (a starved trainer thread)
+    assert stall.current("training", 0.0, "training", watch, 5.0, [["a"]] * 4, 131.0,
+                         queued=21)[0] == "stalled: 21 messages queued on this host since 31 s"
     assert stall.current("training", 0.0, "training", watch, 5.0,
                          [["a"], [], ["b"], []], 131.0)[0] \
         == "stalled: waiting for stages 1, 3 (no live host) since 31 s"

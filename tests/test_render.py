@@ -206,3 +206,5 @@ def test_a_stalled_pipeline_says_so_and_its_loss_says_how_old_it_is():
     assert f"{stalled}: step 251, loss 3.311 (8 min old)" in text
     assert r._short_phase("stalled: waiting for stages 1, 3 (no live host) since 31 s") \
         == "stalled>1,3! 31s"
+    assert r._short_phase("stalled: 21 messages queued on this host since 31 s") \
+        == "stalled q21 31s"

@@ -811,7 +811,8 @@ class PipelineService:
         w = self.worker
         watch = w.watch if w is not None else None
         phase, stalled = stall.current(self.phase, self.phase_at, self.progress.phase, watch,
-                                       w.wait_s() if w is not None else 0.0, smap)
+                                       w.wait_s() if w is not None else 0.0, smap,
+                                       queued=self.inbox.qsize())
         return {
             "phase": phase,
             "stall": stalled.to_json() if stalled is not None else None,

@@ -13,6 +13,9 @@ status, the pages and the metrics show:
   live host in the stage map if there is one (nothing can complete without it), else the
   stage whose messages the worker waits for (gradients from the next visit, activations
   from the previous one); T counts from the last step that trained anything;
+* `stalled: 21 messages queued on this host since T s`: what it waits for has come, and
+  its own worker has not got through it (a trainer thread starved of CPU: seen at load 16
+  on 2 cores, where naming a neighbour would have sent the operator the wrong way);
 * the service's own phases (choosing a stage, waiting for stages before training starts,
   recovering a stage) pass through, with how long they have lasted.
 
@@ -45,11 +48,15 @@ class StallWatch:
 
 @dataclass(frozen=True)
 class Stall:
-    stages: tuple[int, ...]  # the stage(s) waited for
+    stages: tuple[int, ...]  # the stage(s) waited for (none: this host is behind)
     since_s: float  # since the last step that trained a micro-batch
     no_host: bool  # those stages have no live host in this node's stage map
+    queued: int = 0  # messages in this host's inbox
 
     def phase(self) -> str:
+        if not self.stages:
+            return f"{STALLED}: {self.queued} messages queued on this host since " \
+                   f"{self.since_s:.0f} s"
         which = (f"stage {self.stages[0]}" if len(self.stages) == 1 else
                  "stages " + ", ".join(str(s) for s in self.stages))
         return (f"{STALLED}: waiting for {which}{' (no live host)' if self.no_host else ''}"
@@ -57,22 +64,25 @@ class Stall:
 
     def to_json(self) -> dict[str, Any]:
         return {"stages": list(self.stages), "since_s": round(self.since_s, 1),
-                "no_host": self.no_host}
+                "no_host": self.no_host, "queued": self.queued}
 
 
 def stall(watch: StallWatch, deadline_s: float, smap: Sequence[Sequence[str]],
-          now: float | None = None) -> Stall | None:
-    """The running worker's stall, or None while its steps complete (see the module)."""
+          now: float | None = None, queued: int = 0) -> Stall | None:
+    """The running worker's stall, or None while its steps complete (see the module).
+    `queued`: messages waiting in the worker's inbox."""
     now = time.monotonic() if now is None else now
     since = now - watch.last_trained
     if since <= STALL_DEADLINES * deadline_s:
         return None
     empty = tuple(s for s, row in enumerate(smap) if not row)
     if empty:
-        return Stall(empty, since, True)
+        return Stall(empty, since, True, queued)
+    if queued:
+        return Stall((), since, False, queued)
     if watch.awaiting is None:
         return None  # nothing to name: the worker has not waited on anyone yet
-    return Stall((watch.awaiting,), since, False)
+    return Stall((watch.awaiting,), since, False, queued)
 
 
 def phase_class(phase: str) -> str:
@@ -84,7 +94,7 @@ def phase_class(phase: str) -> str:
 
 def current(service_phase: str, phase_since: float, worker_phase: str,
             watch: StallWatch | None, deadline_s: float, smap: Sequence[Sequence[str]],
-            now: float | None = None) -> tuple[str, Stall | None]:
+            now: float | None = None, queued: int = 0) -> tuple[str, Stall | None]:
     """The pipeline's phase now and its stall, if any: the service's own phase while no
     worker trains (`recovering stage 2 since 12 s`), the worker's while its steps complete
     or it failed, the stall's once they have stopped."""
@@ -95,7 +105,7 @@ def current(service_phase: str, phase_since: float, worker_phase: str,
         return service_phase, None
     if worker_phase == "failed":
         return worker_phase, None
-    st = stall(watch, deadline_s, smap, now)
+    st = stall(watch, deadline_s, smap, now, queued)
     return (st.phase(), st) if st is not None else (worker_phase, None)
 
 
