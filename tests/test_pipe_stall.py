@@ -68,6 +68,10 @@ def test_one_lost_step_is_not_a_stall_and_a_recovery_says_how_long_it_has_lasted
     assert stall.current("training", 0.0, "training", watch, 5.0,
                          [["a"], [], ["b"], []], 131.0)[0] \
         == "stalled: waiting for stages 1, 3 (no live host) since 31 s"
+    # a stage with no host: at once, within the deadlines (nothing can complete)
+    assert stall.current("training", 0.0, "training", watch, 5.0,
+                         [["a"], [], ["b"], ["c"]], 101.0)[0] \
+        == "stalled: waiting for stage 1 (no live host) since 1 s"
     assert stall.current("recovering stage 2", 90.0, "training", None, 0.0, [], 102.4) \
         == ("recovering stage 2 since 12 s", None)
     assert stall.current("training", 0.0, "failed", watch, 5.0, [], 500.0)[0] == "failed"

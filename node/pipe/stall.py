@@ -9,10 +9,13 @@ status, the pages and the metrics show:
 
 * `training`: a step trained a micro-batch within STALL_DEADLINES deadlines (the worker's
   measured per-step deadline, worker.wait_s);
-* `stalled: waiting for stage N since T s`: none did for longer; N is a stage with no
-  live host in the stage map if there is one (nothing can complete without it), else the
-  stage whose messages the worker waits for (gradients from the next visit, activations
-  from the previous one); T counts from the last step that trained anything;
+* `stalled: waiting for stage N since T s`: none did for longer; N is the stage whose
+  messages the worker waits for (gradients from the next visit, activations from the
+  previous one); T counts from the last step that trained anything;
+* `stalled: waiting for stage N (no live host) since T s`: at once, whatever the
+  deadlines, while a stage has no live host in the stage map: nothing can complete
+  without it (on a 3-stage testnet at load 13 the deadlines kept the first stage at
+  `waiting for stages` for 76 s after the kill);
 * `stalled: 21 messages queued on this host since T s`: what it waits for has come, and
   its own worker has not got through it (a trainer thread starved of CPU: seen at load 16
   on 2 cores, where naming a neighbour would have sent the operator the wrong way);
@@ -73,11 +76,11 @@ def stall(watch: StallWatch, deadline_s: float, smap: Sequence[Sequence[str]],
     `queued`: messages waiting in the worker's inbox."""
     now = time.monotonic() if now is None else now
     since = now - watch.last_trained
-    if since <= STALL_DEADLINES * deadline_s:
-        return None
     empty = tuple(s for s, row in enumerate(smap) if not row)
     if empty:
         return Stall(empty, since, True, queued)
+    if since <= STALL_DEADLINES * deadline_s:
+        return None
     if queued:
         return Stall((), since, False, queued)
     if watch.awaiting is None:
