@@ -17,6 +17,9 @@ def short(peer_id: str | None) -> str:
 #: A clock this far off the swarm's is worth a line in `node status`: heartbeat ages are
 #: corrected for it (node/membership/view.py), other peers' view of this node's are not.
 CLOCK_WARN_S = 5.0
+#: A pipeline's last stage computes its loss every step: one older than this is shown with
+#: its age, not as the current loss (issue 27: a loss 8 minutes old read as current).
+LOSS_OLD_S = 30.0
 
 
 def node_status_table(st: dict[str, Any]) -> Group:
@@ -57,8 +60,10 @@ def node_status_table(st: dict[str, Any]) -> Group:
         for label, line in pipeline_lines(pipe):
             head.add_row(label, line)
     if t:
-        head.add_row("training", f"{t['phase']}: step {t['step']}, loss {_num(t['loss'], '{:.3f}')}"
-                     f", val {_num(t['val_loss'], '{:.3f}')}, compute {t['compute_fraction']:.0%}")
+        head.add_row("training", Text(f"{t['phase']}: step {t['step']}, loss "
+                                      f"{loss_text(t)}, val {_num(t['val_loss'], '{:.3f}')}, "
+                                      f"compute {t['compute_fraction']:.0%}",
+                                      phase_style(t['phase'])))
     if t and not pipe:
         head.add_row("averaging", f"{t['rounds_averaged']} rounds averaged, "
                      f"{t['rounds_local']} local; last partner {short(t['last_partner'])}; "
@@ -88,11 +93,50 @@ def node_status_table(st: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def pipeline_lines(pipe: dict[str, Any]) -> list[tuple[str, str]]:
+def phase_style(phase: str | None) -> str:
+    """Red for a stalled pipeline (node/pipe/stall.py), yellow for any other phase that
+    is not training or running."""
+    if phase and phase.startswith("stalled"):
+        return "red"
+    return "" if phase in ("running", "training", None) else "yellow"
+
+
+def loss_text(t: dict[str, Any], compact: bool = False) -> str:
+    """The loss, with its age when it is older than LOSS_OLD_S (`3.310 (8 min old)`;
+    compact: `3.310 old`)."""
+    loss, age = t.get("loss"), t.get("loss_age_s")
+    if loss is None or age is None or age <= LOSS_OLD_S:
+        return _num(loss, "{:.3f}")
+    return f"{loss:.3f} old" if compact else f"{loss:.3f} ({_age(age)} old)"
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _short_phase(phase: str) -> str:
+    """The compact table's phase: `stalled: waiting for stage 2 since 40 s` as
+    `stalled>2 40s` (`>2!`: stage 2 has no live host; `q21`: 21 messages queued here)."""
+    if phase.startswith("stalled: "):
+        what, _, since = phase.removeprefix("stalled: ").partition(" since ")
+        if what.startswith("waiting for stage"):
+            what = ">" + what.removeprefix("waiting for stage").strip().removeprefix(
+                "s ").replace(" (no live host)", "!").replace(" ", "")
+        else:
+            what = " q" + what.split()[0]
+        seconds = since.removesuffix(" s")
+        age = _age(float(seconds)).replace(" min", "m") if seconds.isdigit() else since
+        return f"stalled{what} {age.replace(' s', 's')}"
+    return _SHORT_PHASES.get(phase, phase)
+
+
+def pipeline_lines(pipe: dict[str, Any]) -> list[tuple[str, str | Text]]:
     """`node status`'s pipeline rows: this node's stage, its traffic, the stage map."""
     stage = pipe.get("stage")
-    lines = [("pipeline", f"stage {_num(stage, '{:d}')} of {pipe.get('stages')} "
-                          f"({pipe.get('phase')}; {pipe.get('moves', 0)} moves)")]
+    lines: list[tuple[str, str | Text]] = [
+        ("pipeline", Text(f"stage {_num(stage, '{:d}')} of {pipe.get('stages')} "
+                          f"({pipe.get('phase')}; {pipe.get('moves', 0)} moves)",
+                          phase_style(pipe.get("phase"))))]
     w = pipe.get("worker") or {}
     if w:
         per_mb = pipe.get("bytes_per_micro_batch") or {}
@@ -225,6 +269,9 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
                 "MB out/in", "compute"])
     if compact:  # 80 columns: `node status` shows the id and each path
         columns = [c for c in columns if c not in ("id", "paths")]
+        if not any(_training(r).get("val_loss") is not None for r in rows):
+            # (pipeline stages: none) room for a stall and a loss's age
+            columns = [c for c in columns if c != "val"]
     if any((r.get("status") or {}).get("pipeline") for r in rows):
         columns.insert(columns.index("phase") + 1, "stage")
     if churn:
@@ -233,7 +280,7 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
 
         table.caption, table.caption_justify = describe(churn), "left"
     for col in columns:
-        table.add_column(col, no_wrap=True,
+        table.add_column(col, no_wrap=compact or col != "phase",  # a stall's phase is long
                          justify="left" if col in ("node", "id", "phase", "partner") else "right")
     for r in rows:
         st = r.get("status")
@@ -247,17 +294,17 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
         t = st.get("training") or pipe.get("training") or {}
         vm = t.get("val_metrics") or {}
         phase = t.get("phase") if st["phase"] == "running" and t else st["phase"]
-        style = "green" if phase in ("running", "training") else "yellow"
+        style = "green" if phase in ("running", "training") else phase_style(phase)
         cells = {
             "node": r["name"],
             "kills": str((churn or {}).get("per_node", {}).get(r["name"], 0)),
             "stage": _num(pipe.get("stage"), "{:d}"),
             "id": short(st["peer_id"]),
-            "phase": Text((_SHORT_PHASES.get(phase, phase) if compact else phase) or "-", style),
+            "phase": Text((_short_phase(phase) if compact and phase else phase) or "-", style),
             "peers": "-" if st["role"] == "bootstrap" else str(len(_peers(st))),
             "paths": paths_cell(st.get("peer_paths")),
             "step": _num(t.get("step"), "{:d}"),
-            "loss": _num(t.get("loss"), "{:.3f}"),
+            "loss": loss_text(t, compact),
             "val": _num(t.get("val_loss"), "{:.3f}"),
             "partner": _partners(t.get("last_partner"), names),
             "MB out/in": _mb_pair(t.get("bytes_sent"), t.get("bytes_received")),
@@ -273,6 +320,11 @@ def testnet_table(rows: list[dict[str, Any]], title: str, width: int | None = No
 
 _SHORT_PHASES = {"downloading checkpoint": "download", "finding providers": "providers",
                  "syncing state": "syncing"}  # for the compact table
+
+
+def _training(row: dict[str, Any]) -> dict[str, Any]:
+    st = row.get("status") or {}
+    return st.get("training") or (st.get("pipeline") or {}).get("training") or {}
 
 
 def _partners(last: str | None, names: dict[str, str]) -> str:

@@ -1,4 +1,5 @@
-"""`node testnet up|down|status|logs|partition|heal`: a local multi-node testnet."""
+"""`node testnet up|down|status|logs|partition|heal|kill-stage|add-node`: a local
+multi-node testnet."""
 
 from __future__ import annotations
 
@@ -471,3 +472,27 @@ def kill_stage(
         return
     err.print(f"killed stage {stage}: {' '.join(killed)}"
               + (f"; {new} joins to recover it" if new else ""), markup=False)
+
+
+@app.command("add-node")
+def add_node(
+    directory: Dir = None,
+    stage: Annotated[int | None, typer.Option(
+        help="pipeline testnets: the stage the node is meant for; refused unless it is the "
+             "stage a joiner takes (the one with the fewest live hosts).")] = None,
+    as_json: Json = False,
+) -> None:
+    """Start one more node on a running testnet (a pipeline joiner takes the stage with the
+    fewest live hosts); `testnet status` lists it and `testnet down` stops it."""
+    net = _load(directory or launcher.default_dir())
+    try:
+        proc, takes = launcher.grow(net, stage)
+    except launcher.TestnetError as e:
+        raise fail(str(e)) from None
+    if as_json:
+        print_json({"name": proc.name, "pid": proc.pid, "state_dir": proc.state_dir,
+                    "stage": takes})
+        return
+    err.print(f"{proc.name} joins run {net.run_id}"
+              + (f"; it takes stage {takes}" if takes is not None else ""),
+              markup=False, highlight=False)

@@ -81,6 +81,9 @@ class Testnet:
     launcher_pid: int
     netns: dict[str, Any] | None = None  # testnet/netns.py Topology, when namespaced
     churn_pid: int | None = None  # the churn driver (testnet/churn.py), while one runs
+    # `up`'s extra node flags (--no-train): a node added later (add-node, a kill-stage
+    # replacement) joins as the others did
+    node_args: list[str] = field(default_factory=list)
 
     def save(self) -> None:
         atomic_write(Path(self.dir) / STATE_FILE, json.dumps(asdict(self), indent=2).encode())
@@ -317,7 +320,8 @@ def _up(directory: Path, nodes: int, *, manifest: Path | None, detached: bool,
     run_id = RunStore(boot_dir).put(mf.canonical_bytes(m))
     (boot_dir / "addrs.json").unlink(missing_ok=True)
     procs: list[Proc] = []
-    net = Testnet(str(directory), run_id, "", procs, detached, os.getpid())
+    net = Testnet(str(directory), run_id, "", procs, detached, os.getpid(),
+                  node_args=list(extra_node_args or []))
     topo = None
     try:
         if netns or nat:
@@ -392,9 +396,8 @@ def pipeline_stages(m: mf.Manifest, stages: int) -> mf.Manifest:
         raise TestnetError(f"--stages {stages}: {e}") from e
 
 
-def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
-    """The live processes that report hosting `stage` (their control socket's status)."""
-    out = []
+def _pipelines(net: Testnet) -> Iterator[tuple[Proc, dict[str, Any]]]:
+    """(process, its pipeline status) for each live node that answers and hosts a stage."""
     for p in net.procs:
         if p.name == "bootstrap" or not alive(p.pid, p.state_dir):
             continue
@@ -402,9 +405,65 @@ def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
             st = query_control(Path(p.state_dir), timeout=2.0)
         except (ControlUnavailable, ValueError):
             continue
-        if (st.get("pipeline") or {}).get("stage") == stage:
-            out.append(p)
-    return out
+        pipe = st.get("pipeline") or {}
+        if isinstance(pipe.get("stage"), int) and isinstance(pipe.get("stages"), int):
+            yield p, pipe
+
+
+def stage_hosts(net: Testnet, stage: int) -> list[Proc]:
+    """The live processes that report hosting `stage` (their control socket's status)."""
+    return [p for p, pipe in _pipelines(net) if pipe["stage"] == stage]
+
+
+def stage_counts(net: Testnet) -> list[int] | None:
+    """Live hosts per stage, as the testnet's nodes report them; None: no node hosts a
+    stage (not a pipeline run, or none has chosen yet)."""
+    counts: list[int] | None = None
+    for _, pipe in _pipelines(net):
+        counts = counts or [0] * pipe["stages"]
+        if 0 <= pipe["stage"] < len(counts):
+            counts[pipe["stage"]] += 1
+    return counts
+
+
+def next_name(net: Testnet) -> str:
+    """The first `nodeN` this testnet has not used (N from the process count up)."""
+    names = {p.name for p in net.procs}
+    n = len(net.procs)
+    while f"node{n}" in names:
+        n += 1
+    return f"node{n}"
+
+
+@_serialized
+def grow(net: Testnet, stage: int | None = None) -> tuple[Proc, int | None]:
+    """`node testnet add-node`: one more node joins the running testnet, named under the
+    directory's lock (two at once get two names). Returns it and, in a pipeline run, the
+    stage it will take: placement gives a joiner the stage with the fewest live hosts
+    (node/pipe/placement.py), and nodes take no orders, so `stage` is checked against that
+    rather than imposed."""
+    if not any(alive(p.pid, p.state_dir) for p in net.procs):
+        raise TestnetError(f"no testnet running in {net.dir}; start one with "
+                           "`node testnet up`")
+    counts = stage_counts(net)
+    takes = None
+    if counts is not None:
+        from node.pipe.placement import choose
+
+        takes = choose({f"{s}/{i}": s for s, c in enumerate(counts) for i in range(c)},
+                       len(counts))
+    if stage is not None:
+        if counts is None:
+            raise TestnetError(f"--stage {stage}: no node of this testnet hosts a pipeline "
+                               "stage (start one with `--scenario pipeline`)")
+        if not 0 <= stage < len(counts):
+            raise TestnetError(f"--stage {stage}: this pipeline has stages 0 to "
+                               f"{len(counts) - 1}")
+        if stage != takes:
+            raise TestnetError(f"--stage {stage}: a joiner takes the stage with the fewest "
+                               f"live hosts, stage {takes} ({counts[takes]} hosts) now, not "
+                               f"stage {stage} ({counts[stage]})")
+    return add_node(net, next_name(net)), takes
 
 
 @_serialized
@@ -438,11 +497,7 @@ def kill_stage(net: Testnet, stage: int, *, replace: bool = True, timeout: float
             return not live & ids
         return True
     _wait_for(gone, timeout, f"stage {stage}'s hosts to leave the survivors' view", [])
-    names = {p.name for p in net.procs}
-    n = len(net.procs)
-    while f"node{n}" in names:
-        n += 1
-    return [p.name for p in hosts], add_node(net, f"node{n}").name
+    return [p.name for p in hosts], add_node(net, next_name(net)).name
 
 
 def symmetric(neighbours: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -648,7 +703,8 @@ def add_node(net: Testnet, name: str, extra_args: list[str] | None = None) -> Pr
     (d / "addrs.json").unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = _spawn(name, d, ["join", net.run_id, "--bootstrap", net.bootstrap_addr,
-                            "--listen", LOOPBACK, *(extra_args or [])], net.detached, env, topo)
+                            "--listen", LOOPBACK, *net.node_args, *(extra_args or [])],
+                  net.detached, env, topo)
     net.procs.append(proc)
     net.save()
     return proc

@@ -236,6 +236,39 @@ def test_collector_families_parse_with_prometheus_parser():
                  "peertrain_inbound_connections_refused_total", reason="slots_full") == 2
 
 
+PIPELINE_STALLED = {"phase": "stalled: waiting for stage 2 since 40 s", "stage": 1,
+                    "stall": {"stages": [2], "since_s": 40.2, "no_host": False},
+                    "training": {"phase": "stalled: waiting for stage 2 since 40 s",
+                                 "step": 251, "loss": 3.31, "loss_age_s": 480.0}}
+
+
+def test_a_stalled_pipeline_is_a_phase_a_gauge_and_a_warning():
+    def families(pipe: dict) -> dict:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatusCollector(lambda: {**_status(), "pipeline": pipe}))
+        return {(s.name, s.labels.get("phase")): s.value
+                for f in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in f.samples if s.name.startswith("peertrain_pipeline")}
+
+    got = families(PIPELINE_STALLED)
+    assert got[("peertrain_pipeline_phase", "stalled")] == 1
+    assert got[("peertrain_pipeline_phase", "training")] == 0
+    assert got[("peertrain_pipeline_stalled_seconds", None)] == 40.2
+    assert got[("peertrain_pipeline_loss_age_seconds", None)] == 480
+    assert len({k for k in got if k[0] == "peertrain_pipeline_phase"}) == 5  # few labels
+    got = families({"phase": "training", "stall": None, "training": {"loss_age_s": None}})
+    assert got[("peertrain_pipeline_phase", "training")] == 1
+    assert got[("peertrain_pipeline_stalled_seconds", None)] == 0
+    got = families({"phase": "recovering stage 2 since 14 s", "stall": None})
+    assert got[("peertrain_pipeline_phase", "recovering")] == 1
+
+    from node.metrics.service import warnings
+
+    assert warnings({"pipeline": PIPELINE_STALLED}, 0.0) == [
+        "pipeline stalled: waiting for stage 2 since 40 s"]
+    assert warnings({"pipeline": {"phase": "training", "stall": None}}, 0.0) == []
+
+
 def test_collector_handles_a_bootstrap_status():
     """A bootstrap has no training, averaging or run: those families are just absent."""
     st = {"peer_id": "12D3KooWMe", "role": "bootstrap", "phase": "running",
@@ -327,6 +360,7 @@ def test_dashboard_and_docs_name_only_metrics_the_node_exports():
     st["checkpoints"]["download"] = {"done": 1, "total": 2}
     st["checkpoint_server"] = {"served": 1, "not_held": 0}
     st["peer_paths"] = {"peers": {"A": {"path": "punched", "rtt_ms": 5.0}}}
+    st["pipeline"] = PIPELINE_STALLED
     registry.register(StatusCollector(lambda: {**st, "role": "x"}))
     exported = set()
     for family in text_string_to_metric_families(generate_latest(registry).decode()):

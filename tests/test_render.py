@@ -171,3 +171,40 @@ def test_pipeline_lines_show_the_replicas_rounds():
     assert rows["replicas"] == (f"7 rounds averaged with this stage's other hosts, 1 local, "
                                 f"0 alone; last partner …{IDS[3][-6:]}")
     assert "replicas" not in dict(r.pipeline_lines({**pipe, "replicas": None}))
+
+
+def pipeline_node(i: int, phase: str, loss_age_s: float | None) -> dict:
+    training = {"phase": phase, "step": 251, "loss": 3.3112, "val_loss": None,
+                "loss_age_s": loss_age_s, "compute_fraction": 0.4, "last_partner": None}
+    pipe = {"stage": 2, "stages": 3, "phase": phase, "moves": 0, "training": training,
+            "map": {"0": [IDS[1]], "1": [IDS[2]], "2": [IDS[3]]}}
+    return {"name": f"node{i}", "status": {"peer_id": IDS[i], "phase": "running",
+                                            "role": "node", "membership": {"peers": [1, 2]},
+                                            "pipeline": pipe, "addrs": [], "uptime_s": 600}}
+
+
+def test_a_stalled_pipeline_says_so_and_its_loss_says_how_old_it_is():
+    stalled = "stalled: waiting for stage 1 since 480 s"
+    rows = [pipeline_node(1, "training", 0.4), pipeline_node(3, stalled, 480.0)]
+    for width in (80, 140):
+        console = Console(width=width, record=True)
+        console.print(r.testnet_table(rows, "testnet Qm...", width=width))
+        text = console.export_text()
+        assert all(len(line) <= width for line in text.splitlines())
+        # not shown as the current loss
+        assert ("3.311 (8 min old)" if width > 100 else "3.311 old") in text
+        assert "old" not in next(x for x in text.splitlines() if "node1" in x)  # fresh
+        if width > 100:  # the phase wraps, whole
+            assert "stalled: waiting for stage 1" in text and "since 480 s" in text
+        else:
+            assert "stalled>1 8m" in text
+    console = Console(width=140, record=True)
+    console.print(r.node_status_table({**rows[1]["status"], "run": None, "device": "cpu",
+                                       "membership": {"peers": []}}))
+    text = console.export_text()
+    assert f"stage 2 of 3 ({stalled}; 0 moves)" in text
+    assert f"{stalled}: step 251, loss 3.311 (8 min old)" in text
+    assert r._short_phase("stalled: waiting for stages 1, 3 (no live host) since 31 s") \
+        == "stalled>1,3! 31s"
+    assert r._short_phase("stalled: 21 messages queued on this host since 31 s") \
+        == "stalled q21 31s"

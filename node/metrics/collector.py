@@ -42,6 +42,7 @@ class StatusCollector(Collector):
         yield from build_families()
         yield from node_families(st)
         yield from training_families(st.get("training") or {})
+        yield from pipeline_families(st.get("pipeline") or {})
         yield from averaging_families(st.get("averaging") or {}, current_peers(st))
         yield from dht_families((st.get("p2p") or {}).get("dht_operations") or {})
         yield from guard_families(st)
@@ -199,6 +200,33 @@ def training_families(t: dict[str, Any]) -> Iterator[Metric]:
                          "Outer rounds, by outcome: averaged with partners or local.",
                          "outcome", {"averaged": t.get("rounds_averaged", 0),
                                      "local": t.get("rounds_local", 0)})
+
+
+#: A pipeline host's phases, without their details (node/pipe/stall.py phase_class).
+PIPELINE_PHASES = ("choosing a stage", "waiting for stages", "recovering", "training",
+                   "stalled")
+
+
+def pipeline_families(pipe: dict[str, Any]) -> Iterator[Metric]:
+    """A pipeline host's phase (`stalled` once its steps stop completing), how long it has
+    been stalled, and how old the loss it shows is."""
+    phase = pipe.get("phase")
+    if not isinstance(phase, str):
+        return
+    from node.pipe.stall import phase_class
+
+    now = phase_class(phase)
+    yield from _labelled(GaugeMetricFamily, "pipeline_phase",
+                         "1 for the pipeline phase this host is in (stalled: no step trained "
+                         "a micro-batch for two deadlines), 0 for the others.", "phase",
+                         {p: p == now for p in {*PIPELINE_PHASES, now}})
+    stall = pipe.get("stall") or {}
+    yield from _gauge("pipeline_stalled_seconds", "Seconds since this host's last step "
+                      "that trained a micro-batch, while stalled; 0 while steps complete.",
+                      stall.get("since_s", 0.0))
+    yield from _gauge("pipeline_loss_age_seconds", "Seconds since the last stage computed "
+                      "the loss it reports (last-stage hosts only).",
+                      (pipe.get("training") or {}).get("loss_age_s"))
 
 
 def averaging_families(a: dict[str, Any], current: set[str] | None = None

@@ -217,6 +217,9 @@ def warnings(st: dict[str, Any], now: float) -> list[str]:
     t = st.get("training") or {}
     if t.get("error"):
         out.append(f"training stopped: {t['error']}")
+    pipe = st.get("pipeline") or {}
+    if pipe.get("stall"):  # node/pipe/stall.py: the phase names the stage and how long
+        out.append(f"pipeline {pipe['phase']}")
     rounds = t.get("round") or 0
     if rounds < 1 or not t.get("wall_s"):
         return out

@@ -2,6 +2,7 @@
 
 placement.py (which stage, the stage map; pure), links.py (the `/peertrain/pipe/1.0.0`
 stream adapter), worker.py (the stage's loop in the trainer thread), replicas.py (NoLoCo
-between a stage's hosts), stage_ckpt.py (a host's own checkpoint of its stage), service.py
-(PipelineService: all of them together). The stage math itself is node/pipeline/ (pure torch).
+between a stage's hosts), stage_ckpt.py (a host's own checkpoint of its stage), stall.py
+(whether the host's steps complete: the `stalled` phase), service.py (PipelineService: all
+of them together). The stage math itself is node/pipeline/ (pure torch).
 """

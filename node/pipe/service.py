@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.lane import listen_host
-from node.pipe import convergence, placement, stage_ckpt
+from node.pipe import convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
@@ -83,6 +83,7 @@ class PipelineService:
         self.stage: int | None = None
         self.moves = 0
         self.phase = "choosing a stage"
+        self.phase_at = time.monotonic()  # when a recovery began (stall.current says how long)
         self.training = False
         self.inbox = Inbox(capacity=4 * self.M + 8)
         self.counters: Counter[str] = Counter()
@@ -395,7 +396,9 @@ class PipelineService:
 
         self.worker = None
         worker = await trio.to_thread.run_sync(self._build_worker, post)
+        self.phase, self.phase_at = f"recovering stage {self.stage}", time.monotonic()
         await self._recover(worker)
+        self.phase = "training"
         worker.on_step = self._checkpoint_hook(worker)
         if self.averager is not None:  # φ starts from the weights the stage starts with
             worker.replicas = await trio.to_thread.run_sync(self._replica_rounds, worker, token)
@@ -933,15 +936,22 @@ class PipelineService:
         sent = {k: out.get(f"sent {k}", 0) for k in ("act", "grad", "tgt", "tied", "tgrad")}
         per_mb = {k: round(out.get(f"sent bytes {k}", 0) / sent[k]) for k in ("act", "grad")
                   if sent[k]}
+        w = self.worker
+        watch = w.watch if w is not None else None
+        phase, stalled = stall.current(self.phase, self.phase_at, self.progress.phase, watch,
+                                       w.wait_s() if w is not None else 0.0, smap,
+                                       queued=self.inbox.qsize())
         return {
-            "phase": self.phase,
+            "phase": phase,
+            "stall": stalled.to_json() if stalled is not None else None,
             "stage": self.stage,
             "stages": self.n,
             "layers": list(self.layers),
             "micro_batches_per_step": self.M,
             "moves": self.moves,
             "map": {str(s): row for s, row in enumerate(smap)},
-            "training": self.progress.snapshot(),
+            "training": {**self.progress.snapshot(), "phase": phase,
+                         "loss_age_s": stall.loss_age(watch)},
             "worker": self.worker.stats.snapshot() if self.worker else None,
             "sent": sent,
             "bytes_per_micro_batch": per_mb,

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node.pipe.links import Inbox, Lost, Message
+from node.pipe.stall import StallWatch
 
 log = logging.getLogger("node.pipeline")
 
@@ -126,6 +127,7 @@ class StageWorker:
         self.leader_step = leader_step
         self.last_hosts = last_hosts  # how many last-stage hosts a step's micro-batches reach
         self.stats = WorkerStats()
+        self.watch = StallWatch()  # when a step last trained, whose messages we wait for
         self.tied_version = 0  # last stage: the step its tied matrix is for
         self._deferred: deque[Message | Lost] = deque()  # read while awaiting the tied matrix
         # Held while the weights change (a step, a recovery) so that a snapshot served to
@@ -220,6 +222,7 @@ class StageWorker:
 
     def run(self) -> None:
         self.progress.phase = "training"
+        self.watch.trained()  # a stall counts from the worker's start, not its build
         if self.stage == 0:
             while not self.stop.is_set():
                 if not self.ready():
@@ -272,6 +275,9 @@ class StageWorker:
         came_from: dict[Key, str] = {}  # our interior visits awaiting gradients
         seen: set[Key] = set()  # ... and those already run
         while (pending or (len(tied_from) < need_tied and not lost)) and not self.stop.is_set():
+            # gradients from the next visit's stage; then the last stage's head gradient
+            self.watch.awaiting = self.paths[min(pending)][1].stage if pending \
+                else self.n_stages - 1
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -325,6 +331,7 @@ class StageWorker:
             self._apply()
             self.progress.grad_norm = round(r.grad_norm, 6)
             self.stats.micro_batches += done
+            self.watch.trained()
         r.optimizer.zero_grad(set_to_none=True)
         self.step = max(t + 1, ahead)
         self.post(("stage", self.n_stages - 1), "tied", self.n_stages - 1, self.step, 0,
@@ -405,8 +412,10 @@ class StageWorker:
                 self._apply()
                 self.progress.grad_norm = round(r.grad_norm, 6)
                 self._timed(t_start, last_back)
+                self.watch.trained()
                 if losses:
                     self.progress.loss = round(sum(losses) / len(losses), 4)
+                    self.watch.loss_at = time.monotonic()
             last_back = None
             r.optimizer.zero_grad(set_to_none=True)
             self.progress.step = cur + 1
@@ -427,6 +436,7 @@ class StageWorker:
             if item is None:
                 if is_open and now - quiet_since > self.wait_s():
                     finish()
+                self.watch.awaiting = self._awaited(came_from)
                 continue
             quiet_since = now
             if isinstance(item, Lost):
@@ -494,6 +504,14 @@ class StageWorker:
                 self.post(("peer", act.sender), "grad", self.paths[mb][prev].stage, cur, mb,
                           prev, g, origin)
                 visit_done()
+
+    def _awaited(self, came_from: dict[Key, str]) -> int:
+        """A serving stage with nothing arriving: the stage of the next visit of a
+        micro-batch it ran forward (its gradient), else the stage before its own (the
+        activations)."""
+        for _, mb, hop in came_from:
+            return self.paths[mb][hop + 1].stage
+        return max(0, self.stage - 1)
 
     def _backward(self, item: Message) -> Any:
         """The input's gradient (None on the first stage), or False: a gradient that does

@@ -26,6 +26,19 @@ function svgEl(tag, attrs, text) {
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 const short = (p) => (p && p.length > 14 ? p.slice(0, 8) + "…" + p.slice(-4) : p || "–");
 
+// A pipeline's last stage computes its loss every step: one older than LOSS_OLD_S is shown
+// with its age, never as the current loss (cli/render.py has the same rule).
+const LOSS_OLD_S = 30;
+function lossText(t) {
+  const age = t.loss_age_s;
+  if (t.loss === null || t.loss === undefined || !(age > LOSS_OLD_S)) return fmt(t.loss);
+  return fmt(t.loss) + " (" + (age < 90 ? Math.round(age) + " s" : Math.round(age / 60) + " min")
+    + " old)";
+}
+
+// The training numbers: a pipeline host keeps them under its pipeline's status.
+const training = (st) => st.training || (st.pipeline || {}).training || {};
+
 function ago(seconds) {
   if (seconds === null || seconds === undefined) return "never";
   if (seconds < 90) return Math.round(seconds) + " s ago";
@@ -60,7 +73,7 @@ function header(doc) {
 
 function nodeRows(doc) {
   $("nodes").replaceChildren(...doc.nodes.map((n) => {
-    const st = n.status || {}, t = st.training || {}, a = st.averaging || {};
+    const st = n.status || {}, t = training(st), a = st.averaging || {};
     const byPath = st.peers_by_path || {};
     const h = a.exchange_seconds;
     const ckpts = st.checkpoints || [];
@@ -74,13 +87,18 @@ function nodeRows(doc) {
       n.up ? "up" : "down: " + n.state));
     const peer = el("td", { title: st.peer_id || "" });
     peer.append(el("code", {}, short(st.peer_id)));
-    const phase = st.phase ? (n.up ? st.phase : "was " + st.phase) : "–";
-    const phaseCell = el("td", {}, phase);
+    // a running pipeline host: its pipeline's phase (`stalled: waiting for stage 2 since
+    // 40 s`, node/pipe/stall.py), which its warnings then need not repeat
+    const pipe = st.pipeline || {};
+    const now = st.phase === "running" && pipe.phase ? pipe.phase : st.phase;
+    const phase = now ? (n.up ? now : "was " + now) : "–";
+    const phaseCell = el("td", pipe.stall ? { class: "warning" } : {}, phase);
     for (const w of st.warnings || []) {  // averaging stalled, training stopped
+      if (w === "pipeline " + now) continue;
       phaseCell.append(el("div", { class: "warning", title: w }, "⚠ " + w));
     }
     tr.append(name, state, phaseCell,
-      el("td", { class: "num" }, t.step ?? "–"), el("td", { class: "num" }, fmt(t.loss)),
+      el("td", { class: "num" }, t.step ?? "–"), el("td", { class: "num" }, lossText(t)),
       el("td", { class: "num" }, fmt(t.val_loss)),
       el("td", { class: "num" }, st.membership ? (st.membership.peers || []).length : "–"),
       el("td", { class: "num" }, (byPath.direct ?? "–") + " / " + (byPath.relayed ?? "–")),

@@ -24,6 +24,19 @@ const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toF
 const short = (p) => (p && p.length > 14 ? p.slice(0, 8) + "…" + p.slice(-4) : p || "–");
 const mb = (n) => (n ? (n / 1e6).toFixed(1) : "0");
 
+// A pipeline's last stage computes its loss every step: one older than LOSS_OLD_S is shown
+// with its age, never as the current loss (cli/render.py has the same rule).
+const LOSS_OLD_S = 30;
+function lossText(t) {
+  const age = t.loss_age_s;
+  if (t.loss === null || t.loss === undefined || !(age > LOSS_OLD_S)) return fmt(t.loss);
+  return fmt(t.loss) + " (" + (age < 90 ? Math.round(age) + " s" : Math.round(age / 60) + " min")
+    + " old)";
+}
+
+// The training numbers: a pipeline host keeps them under its pipeline's status.
+const training = (st) => st.training || (st.pipeline || {}).training || {};
+
 function ago(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   if (seconds < 90) return Math.round(seconds) + " s ago";
@@ -55,12 +68,17 @@ function header(st) {
   document.title = $("title").textContent;
   const meta = $("meta");
   meta.replaceChildren();
-  const add = (k, v, code) => {
+  const add = (k, v, code, attrs) => {
     meta.append(k + " ");
-    meta.append(code ? el("code", {}, v) : el("b", {}, v));
+    meta.append(code ? el("code", {}, v) : el("b", attrs || {}, v));
     meta.append("   ");
   };
   add("phase", st.phase);
+  const pipe = st.pipeline;
+  if (pipe && pipe.phase) {  // `stalled: waiting for stage 2 since 40 s` (node/pipe/stall.py)
+    add("pipeline", "stage " + pipe.stage + " of " + pipe.stages + ": " + pipe.phase, false,
+      { id: "pipeline-phase", style: pipe.stall ? "color: var(--warn)" : "" });
+  }
   add("device", st.device || "–");
   add("uptime", duration(st.uptime_s || 0));
   if (st.run) add("run", st.run, true);
@@ -68,10 +86,10 @@ function header(st) {
 }
 
 function cards(st) {
-  const t = st.training || {};
+  const t = training(st);
   const live = ((st.membership || {}).peers || []).length;
   const items = [
-    ["step", t.step ?? "–"], ["train loss", fmt(t.loss)], ["validation loss", fmt(t.val_loss)],
+    ["step", t.step ?? "–"], ["train loss", lossText(t)], ["validation loss", fmt(t.val_loss)],
     ["rounds averaged", t.rounds_averaged ?? "–"], ["rounds local", t.rounds_local ?? "–"],
     ["peers live", st.membership ? live : "–"], ["connections", (st.p2p || {}).connections ?? 0],
     ["compute share", t.compute_fraction !== undefined
@@ -158,7 +176,7 @@ function peers(st) {
 }
 
 function rounds(st) {
-  const t = st.training || {}, a = st.averaging || {};
+  const t = training(st), a = st.averaging || {};
   const h = a.exchange_seconds;
   const mean = h && h.count ? (h.sum / h.count).toFixed(2) + " s" : "–";
   rows($("rounds"), kv([
