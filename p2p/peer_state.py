@@ -12,9 +12,13 @@ identity and are never emptied:
   re-dial backoff of 60 s whose entries are only swept once there are over 500 of them and
   then only those older than twice the backoff.
 
-`install(host)` wraps both where they are written: the ping handler drops a peer's set once
-its last stream ends, and each recorded disconnect forgets the entries whose backoff is
-over, and the oldest beyond `MAX_RECENT_DISCONNECTS`.
+No upstream issue names these two leftovers (searched 2026-11-27); py-libp2p#1414 added the
+ping service's per-peer stream limit that leaves the sets, and #1451 (PR #1426) pruned
+other auto-connector caches.
+
+`install(host)` wraps both where they are written: the ping handler drops a peer's set
+once its last stream ends, and each recorded disconnect forgets the entries whose backoff
+is over, and the oldest beyond `MAX_RECENT_DISCONNECTS`.
 """
 
 from __future__ import annotations
@@ -49,8 +53,12 @@ def _bound_ping(host: Any) -> None:
         try:
             await handler(stream)
         finally:
-            async with service._lock:
-                if not streams.get(peer, True):  # an empty set: its last stream ended
+            # no await here (py-libp2p's own clean-up awaits its lock, and a cancelled
+            # stream skips it): done at once, atomic between trio's checkpoints
+            mine = streams.get(peer)
+            if mine is not None:
+                mine.discard(stream)
+                if not mine:
                     del streams[peer]
 
     host.set_stream_handler(PING_ID, handle_ping)
