@@ -46,7 +46,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import addrs as addr_policy
-from p2p import circuit, lazy_select
+from p2p import circuit, lazy_select, peer_state
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 from p2p.gossipsub import GossipSub
@@ -192,6 +192,7 @@ class Substrate:
         )
         self._with_relayed(host)
         self.slots.install(host.get_network())
+        peer_state.install(host)  # py-libp2p's per-peer maps that grow without end, bounded
         g = self.gossip_settings
         router = GossipSub(
             protocols=[GOSSIP_12, GOSSIP_11, GOSSIP_10],
