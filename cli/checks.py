@@ -60,9 +60,9 @@ def log_level(value: str) -> str:
 
 def device(value: str) -> str:
     """A misspelled device is exit 2; `cuda` on a machine that certainly has none is exit 10,
-    before the node dials anyone (node/device.py: without importing torch)."""
-    from node import device as dev
+    before the node dials anyone (node/ml/device.py: without importing torch)."""
     from node.errors import DeviceUnavailable
+    from node.ml import device as dev
 
     try:
         spec = dev.parse(value)

@@ -448,11 +448,11 @@ class Node:
 
 
 def resolve_device_name(spec: str) -> str:
-    """`auto` picks CUDA when torch sees a GPU (node/device.py; torch is imported here,
+    """`auto` picks CUDA when torch sees a GPU (node/ml/device.py; torch is imported here,
     lazily: it costs a second or more)."""
     if spec == "cpu":
         return "cpu"
-    from node import device
+    from node.ml import device
 
     try:
         return str(device.resolve(spec))

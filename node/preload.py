@@ -53,7 +53,7 @@ def _load() -> None:
         # torch only, nothing of ours: a module of ours being imported here (waiting on
         # torch) would hold its import lock, and the trio thread importing it too
         # (node.daemon shares modules with node.averaging) would block. There is no
-        # warm-up step since the trainer's AdamW is our own (node/trainer/adamw.py):
+        # warm-up step since the trainer's AdamW is our own (node/ml/trainer/adamw.py):
         # torch.optim's imported torch._dynamo on first use, as long as torch itself.
         import torch  # noqa: F401
     except BaseException as e:  # reported by wait(): the node says why it cannot train

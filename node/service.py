@@ -114,7 +114,7 @@ class NodeContext:
             # `trained`: what our weights embody (<= step, the round clock); a partner's
             # averaged round credits us with it (node/training/service.py), and a recovering
             # stage prefers the replica whose stage weights claim the most
-            # (node/recovery/sources.py).
+            # (node/ml/recovery/sources.py).
             stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
                          gnorm=p.grad_norm,  # CheckFree weighs a lost stage's neighbours by it
                          trained=p.trained)

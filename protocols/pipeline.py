@@ -19,7 +19,7 @@ TCP connection to `port` that proves it holds `key`); the libp2p stream, which
 authenticated the sender, stays open beside it and names the sender of the lane's messages.
 
 `stage` is the stage the tensor is *for* (the receiver's). `hop` is the micro-batch's visit
-it is for (node/pipeline/schedule.py `hops`): activations come from hop - 1, gradients from
+it is for (node/ml/pipeline/schedule.py `hops`): activations come from hop - 1, gradients from
 hop + 1. Absent, it is `stage`: in stage order (no CheckFree+ swap) hop h is stage h, and
 activations come from stage - 1, gradients from stage + 1. With the swap a first or last
 stage is visited twice per odd micro-batch, and the hop says which visit. `step` and `mb`
@@ -449,7 +449,7 @@ def _short(value: Any) -> str:
 # is built with the exact names and shapes it accepts and checks the answer's envelope
 # and every tensor header against them before anything is allocated; a non-finite value
 # refuses the whole answer. `gnorm` is the stage's last gradient norm after clipping (the
-# asker validates it: node/recovery/checkfree.check_grad_norm). `step` is the host's clock,
+# asker validates it: node/ml/recovery/checkfree.check_grad_norm). `step` is the host's clock,
 # `trained` the steps the weights were trained (0 from the seed; absent from a node older
 # than 2026-11-27: unknown), which the asker caps at the swarm's step
 # (docs/pipeline.md, "What a stage's weights claim").

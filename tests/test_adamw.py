@@ -1,4 +1,4 @@
-"""node/trainer/adamw.py against torch.optim.AdamW: the same steps bit for bit, and state
+"""node/ml/trainer/adamw.py against torch.optim.AdamW: the same steps bit for bit, and state
 dicts that load into each other (checkpoints of either kind resume on the other)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.trainer.adamw import AdamW
+from node.ml.trainer.adamw import AdamW
 from node.training.state import from_tensors, to_tensors
 
 
@@ -97,7 +97,7 @@ def test_building_and_stepping_imports_no_dynamo() -> None:
     import sys
 
     code = ("import sys, torch\n"
-            "from node.trainer.adamw import AdamW\n"
+            "from node.ml.trainer.adamw import AdamW\n"
             "m = torch.nn.Linear(2, 2); o = AdamW(m.parameters())\n"
             "m(torch.ones(1, 2)).sum().backward(); o.step(); o.zero_grad()\n"
             "print('torch._dynamo' in sys.modules)\n")

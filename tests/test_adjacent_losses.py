@@ -1,6 +1,6 @@
 """Two or more adjacent stages lost at once (issue 27 item 3): each is rebuilt from a
 peer's checkpoint of it, else from the nearest surviving stages, else from the seed
-(node/recovery/sources.py, node/recovery/checkfree.plan; docs/pipeline.md, "Adjacent
+(node/ml/recovery/sources.py, node/ml/recovery/checkfree.plan; docs/pipeline.md, "Adjacent
 losses")."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 import trio
 
+from node.ml.recovery import RecoveryError, plan, rebuild_blocks
+from node.ml.recovery.checkfree import checkfree_weights
+from node.ml.recovery.sources import lost_stages, rebuild_from
 from node.pipe import stage_ckpt
 from node.pipe.fetch import WeightsFetcher
-from node.recovery import RecoveryError, plan, rebuild_blocks
-from node.recovery.checkfree import checkfree_weights
-from node.recovery.sources import lost_stages, rebuild_from
 from tests.test_pipe_convergence import service_hearing
 
 SIX = (1, 1, 1, 1, 1, 1)

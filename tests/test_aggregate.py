@@ -1,4 +1,4 @@
-"""The aggregators (node/aggregate) on real tensors: the properties the specs promise."""
+"""The aggregators (node/ml/aggregate) on real tensors: the properties the specs promise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.aggregate import (
+from node.ml.aggregate import (
     AGGREGATORS,
     HistoryEntry,
     HistoryTable,
@@ -19,8 +19,8 @@ from node.aggregate import (
     similarity_weights,
     validate_incoming,
 )
-from node.aggregate.base import flat
-from node.aggregate.similarity import cosine_matrix
+from node.ml.aggregate.base import flat
+from node.ml.aggregate.similarity import cosine_matrix
 
 State = dict[str, torch.Tensor]
 

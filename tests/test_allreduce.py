@@ -1,4 +1,4 @@
-"""DiLoCo's all-reduce from pairwise swaps (node/optim/allreduce.py), simulated: every
+"""DiLoCo's all-reduce from pairwise swaps (node/ml/optim/allreduce.py), simulated: every
 worker ends with the exact mean, for any group size, and partners agree on every step."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.optim.allreduce import plan
+from node.ml.optim.allreduce import plan
 
 
 def simulate(n: int) -> tuple[list[torch.Tensor], torch.Tensor, int]:

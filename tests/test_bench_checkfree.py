@@ -13,8 +13,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from node.pipeline import micro_batches
-from node.recovery import checkfree_average
+from node.ml.pipeline import micro_batches
+from node.ml.recovery import checkfree_average
 from testnet.bench import checkfree as bench
 
 TINY = bench.BenchConfig(iterations=16, blocks=4, d_model=16, n_heads=2, context=16,

@@ -18,10 +18,10 @@ from node.checkpoints import exchange as ckpt_sync
 from node.checkpoints import service as ckpt_service
 from node.checkpoints.store import CheckpointStore
 from node.membership.view import Membership
-from node.optim.noloco import NoLoCo, NoLoCoConfig
+from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
+from node.ml.trainer.loop import TrainConfig, Trainer
+from node.ml.trainer.tasks import TaskConfig, build_task
 from node.service import Phases
-from node.trainer.loop import TrainConfig, Trainer
-from node.trainer.tasks import TaskConfig, build_task
 from node.training.rounds import Outcome, TrainingStats
 from node.training.service import TrainingService
 from node.training.state import checkpoint_tensors

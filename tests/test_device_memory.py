@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node import device as dev
-from node.trainer import memory_fit as mf
-from node.trainer.errors import DeviceMemoryError
-from node.trainer.loop import TrainConfig, Trainer
-from node.trainer.tasks import TaskConfig, build_task
+from node.ml import device as dev
+from node.ml.trainer import memory_fit as mf
+from node.ml.trainer.errors import DeviceMemoryError
+from node.ml.trainer.loop import TrainConfig, Trainer
+from node.ml.trainer.tasks import TaskConfig, build_task
 
 GIB = 1024**3
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -8,6 +8,8 @@ Rules, each applying to every `import` / `from ... import` in the package's file
 * p2p/ (the networking substrate) never imports torch or protocols/, nor node/, cli/ or
   testnet/;
 * node/ never imports cli/ or testnet/;
+* node/ml/ (the pure-torch layer) never imports trio, libp2p, asyncio, aiortc or p2p/, nor
+  any of node/ outside node/ml/: models, optimizers and stages read and test as plain torch;
 * testnet/ never imports cli/;
 * no import cycle between the project's modules.
 
@@ -52,7 +54,14 @@ RULES: dict[str, list[tuple[str, str]]] = {
     "node": [(m, "node/ is the composition root: the faces (cli/, testnet/) use it, "
                  "not the other way") for m in ("cli", "testnet")],
     "testnet": [("cli", "testnet/ and cli/ are two faces: testnet/ never imports cli/")],
+    "node.ml": [
+        *((m, "node/ml/ is plain torch: no I/O library")
+          for m in ("trio", "libp2p", "asyncio", "aiortc", "aioice", "p2p")),
+        ("node", "node/ml/ is plain torch: the services drive it, it never calls them"),
+    ],
 }
+#: What a banned prefix still lets through: node/ml/ may import itself.
+ALLOWED: dict[str, tuple[str, ...]] = {"node.ml": ("node.ml",)}
 
 
 @dataclass(frozen=True)
@@ -125,13 +134,22 @@ def imports_of(root: Path, path: Path, modules: dict[str, Path]) -> list[Import]
     return found
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def layer_violations(imports: list[Import]) -> list[str]:
     out = []
     for imp in imports:
-        layer = imp.importer.split(".")[0]
-        for banned, why in RULES.get(layer, []):
-            if imp.target == banned or imp.target.startswith(banned + "."):
-                out.append(f"{imp.where()}: {layer}/ must not import {banned} ({why})")
+        for layer, rules in RULES.items():
+            if not _within(imp.importer, layer):
+                continue
+            if any(_within(imp.target, ok) for ok in ALLOWED.get(layer, ())):
+                continue
+            for banned, why in rules:
+                if _within(imp.target, banned):
+                    shown = layer.replace(".", "/")
+                    out.append(f"{imp.where()}: {shown}/ must not import {banned} ({why})")
     return out
 
 
@@ -229,6 +247,9 @@ def test_the_checker_sees_what_it_must(tmp_path: Path):
         "p2p/__init__.py": "",
         "p2p/host.py": "import torch\nfrom protocols import wire\n",
         "node/__init__.py": "",
+        "node/ml/__init__.py": "",
+        "node/ml/loop.py": "import torch\nfrom node.ml import __doc__\nfrom node import config\n"
+                           "def f():\n    import trio\n",
         "node/config.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                           "    from cli import main\n",
         "cli/__init__.py": "",
@@ -250,6 +271,8 @@ def test_the_checker_sees_what_it_must(tmp_path: Path):
         "p2p/host.py:2 imports protocols.wire: p2p/ must not import protocols",
         "node/config.py:3 imports cli.main (TYPE_CHECKING): node/ must not import cli",
         "testnet/launcher.py:1 imports cli.main: testnet/ must not import cli",
+        "node/ml/loop.py:3 imports node.config: node/ml/ must not import node",
+        "node/ml/loop.py:5 imports trio (deferred): node/ml/ must not import trio",
     ]
     for e in expected:
         assert any(p.startswith(e) for p in problems), (e, problems)

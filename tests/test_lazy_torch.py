@@ -25,7 +25,7 @@ print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("
 
 
 @pytest.mark.parametrize("modules", ["cli.main", "node.daemon", "node.training.build",
-                                     "node.checkpoints.service", "node.device"])
+                                     "node.checkpoints.service", "node.ml.device"])
 def test_the_cli_and_the_daemons_pre_join_modules_import_no_torch(modules):
     r = subprocess.run([sys.executable, "-c", "import json\n" + NO_TORCH.format(modules=modules)],
                        capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -1,4 +1,4 @@
-"""node/optim/: NoLoCo pairing, the NoLoCo and DiLoCo outer steps, and a replica simulation."""
+"""node/ml/optim/: NoLoCo pairing, the NoLoCo and DiLoCo outer steps, and a replica simulation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.optim import (
+from node.ml.optim import (
     DiLoCo,
     DiLoCoConfig,
     NoLoCo,
@@ -16,7 +16,7 @@ from node.optim import (
     noloco_groups,
     partner_of,
 )
-from node.trainer import TaskConfig, TrainConfig, Trainer, build_task
+from node.ml.trainer import TaskConfig, TrainConfig, Trainer, build_task
 
 peer_ids = st.lists(st.text(min_size=1, max_size=12), min_size=0, max_size=40, unique=True)
 
@@ -251,7 +251,7 @@ def test_noloco_keeps_replica_spread_bounded(digits_task):
 
 @pytest.mark.parametrize(("n", "k"), [(7, 3), (20, 4), (20, 1), (5, 2), (3, 3), (50, 5)])
 def test_gossip_neighbours_are_symmetric_about_k_and_agreed_by_everyone(n, k):
-    from node.optim import neighbours_of
+    from node.ml.optim import neighbours_of
 
     peers = [f"peer-{i:02d}" for i in range(n)]
     for r in (0, 1, 17):

@@ -206,9 +206,9 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
     worker's inbox (stage `dead`, if given, never answers: its messages are lost).
     `swap`: CheckFree+'s execution order (odd micro-batches visit the edge stages twice).
     `sent`: a list to record (from, kind, to, mb, hop) of every message in."""
-    from node.pipeline.runner import StageOptim, StageRunner
-    from node.pipeline.stages import build_stages
-    from node.trainer.models import GPTConfig
+    from node.ml.pipeline.runner import StageOptim, StageRunner
+    from node.ml.pipeline.stages import build_stages
+    from node.ml.trainer.models import GPTConfig
 
     config = GPTConfig(d_model=d_model, n_layers=stages, n_heads=2, context=16)
     built = build_stages(config, [1] * stages, seed=0)
@@ -397,7 +397,7 @@ def test_a_first_stage_waits_for_the_head_gradient_of_every_last_stage_host():
 
 @pytest.mark.parametrize("norm", [-1.0, float("inf"), float("nan"), 1e9, "0.5"])
 def test_an_absurd_gossiped_gradient_norm_refuses_the_rebuild(norm):
-    from node.recovery.checkfree import BadGradNorm, plan
+    from node.ml.recovery.checkfree import BadGradNorm, plan
 
     workers, _, _ = wire_pipeline(3)
     mid = workers[1]
@@ -410,7 +410,7 @@ def test_an_absurd_gossiped_gradient_norm_refuses_the_rebuild(norm):
 
 
 def test_a_rebuild_weighs_the_neighbours_by_their_norms_with_a_fresh_boosted_adam():
-    from node.recovery.checkfree import plan
+    from node.ml.recovery.checkfree import plan
 
     workers, _, _ = wire_pipeline(3)
     mid = workers[1]
@@ -495,10 +495,10 @@ def wire_replicas(counts: list[int], micro_batches: int = 4, seed: int = 0):
     routed as the service routes them (placement: next_replica, last_replica, the tied
     matrix from first-stage replica r to the last replicas q with q % R0 == r), each
     serving stage told its step's arrivals (placement.arrivals)."""
+    from node.ml.pipeline.runner import StageOptim, StageRunner
+    from node.ml.pipeline.stages import build_stages
+    from node.ml.trainer.models import GPTConfig
     from node.pipe import placement
-    from node.pipeline.runner import StageOptim, StageRunner
-    from node.pipeline.stages import build_stages
-    from node.trainer.models import GPTConfig
 
     n, M = len(counts), micro_batches
     smap = [[f"s{s}r{r}" for r in range(c)] for s, c in enumerate(counts)]

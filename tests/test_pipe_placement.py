@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from node.ml.pipeline import schedule
 from node.pipe import placement as pl
-from node.pipeline import schedule
 from tests.conftest import REPO
 
 
@@ -54,7 +54,7 @@ def test_once_training_a_node_moves_only_to_a_stage_left_without_host():
 def test_routing_without_torch_is_the_schedule_s_routing():
     """The trio thread routes before torch is loaded: placement and the schedule import
     without it, and route like schedule.path on the unswapped path (hop h = stage h)."""
-    code = ("import sys; import node.pipe.placement, node.pipeline.schedule; "
+    code = ("import sys; import node.pipe.placement, node.ml.pipeline.schedule; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
     for step in range(5):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from node.optim import NoLoCoConfig
+from node.ml.optim import NoLoCoConfig
+from node.ml.pipeline.stages import build_stages, own_parameters
+from node.ml.trainer.models import GPTConfig
 from node.pipe.replicas import ReplicaRounds
-from node.pipeline.stages import build_stages, own_parameters
-from node.trainer.models import GPTConfig
 from node.training.rounds import Outcome
 
 H = 5

@@ -1,4 +1,4 @@
-"""Pipeline stages (node/pipeline): the cut, the tied head, boundaries, routing, order."""
+"""Pipeline stages (node/ml/pipeline): the cut, the tied head, boundaries, routing, order."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node.pipeline import (
+from node.ml.pipeline import (
     Pipeline,
     PipelineFull,
     StageOptim,
@@ -21,7 +21,7 @@ from node.pipeline import (
     swap_pairs,
     swap_partner,
 )
-from node.trainer.models import GPT, GPTConfig
+from node.ml.trainer.models import GPT, GPTConfig
 
 CFG = GPTConfig(d_model=16, n_layers=4, n_heads=2, context=8)
 

@@ -1,4 +1,4 @@
-"""CheckFree / CheckFree+ rules (node/recovery/checkfree.py) on small stages."""
+"""CheckFree / CheckFree+ rules (node/ml/recovery/checkfree.py) on small stages."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from node.pipeline import split_gpt
-from node.recovery import (
+from node.ml.pipeline import split_gpt
+from node.ml.recovery import (
     BadGradNorm,
     EdgeCopies,
     RecoveryError,
@@ -19,7 +19,7 @@ from node.recovery import (
     plan,
     rebuild_blocks,
 )
-from node.trainer.models import GPT, GPTConfig
+from node.ml.trainer.models import GPT, GPTConfig
 
 CFG = GPTConfig(d_model=16, n_layers=6, n_heads=2, context=8)
 LAYERS = (0, 1, 1, 1, 1, 1, 1, 0)

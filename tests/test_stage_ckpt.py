@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from node.ml.pipeline import StageOptim, StageRunner, build_stages
+from node.ml.trainer.models import GPTConfig
 from node.pipe import stage_ckpt
-from node.pipeline import StageOptim, StageRunner, build_stages
-from node.trainer.models import GPTConfig
 
 CONFIG = GPTConfig(d_model=16, n_layers=2, n_heads=2, context=8)
 LAYERS = [1, 1]

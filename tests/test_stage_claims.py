@@ -1,5 +1,5 @@
 """A pipeline stage's weights claim the steps they were trained, never the swarm's clock
-(node/recovery/sources.py, node/pipe/service.py `_recover`; docs/pipeline.md, "What a
+(node/ml/recovery/sources.py, node/pipe/service.py `_recover`; docs/pipeline.md, "What a
 stage's weights claim"). Issue 26 item 2, the pipeline's case."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from node.ml.recovery.sources import Source, rank
 from node.pipe import stage_ckpt
 from node.pipe.fetch import WeightsFetcher
-from node.recovery.sources import Source, rank
 from tests.test_pipe_convergence import service_hearing
 
 SWARM = 1000

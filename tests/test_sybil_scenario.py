@@ -7,7 +7,7 @@ neighbours" happened in about half the rounds and, on a loaded machine, not thre
 in 240 s. Here the testnet fixes the topology instead (`launcher.up(neighbours=...)`, the
 nodes' `--neighbour` flags): node1 meets both sybils and node2 every round, node2 and
 node3 meet each other. Who meets whom at random is tested where it is deterministic:
-node/optim/pairing.py in tests/test_optim.py; SybilWall's weights for identical and
+node/ml/optim/pairing.py in tests/test_optim.py; SybilWall's weights for identical and
 gossiped histories in-process in tests/test_aggregate.py.
 """
 

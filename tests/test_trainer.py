@@ -1,4 +1,4 @@
-"""node/trainer/: data, models, tasks and the inner loop (tiny models, CPU, one thread)."""
+"""node/ml/trainer/: data, models, tasks and the inner loop (tiny models, CPU, one thread)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from node.trainer import (
+from node.ml.trainer import (
     GPT,
     CheckpointError,
     ConfigError,
@@ -31,7 +31,7 @@ from node.trainer import (
     resolve_device,
     stdlib_files,
 )
-from node.trainer.data import is_validation
+from node.ml.trainer.data import is_validation
 
 TINY_GPT = dict(name="bytes-gpt", d_model=32, n_layers=1, n_heads=2, context=32)
 
@@ -152,13 +152,13 @@ def test_gpt_shapes_tied_and_init():
 
 
 def test_load_factory_and_its_errors():
-    model = load_factory("node.trainer.models:DigitsMLP")()
+    model = load_factory("node.ml.trainer.models:DigitsMLP")()
     assert isinstance(model, DigitsMLP)
     cases = {
         "no_colon_here": "form",
-        "node.trainer.nonexistent:make": "cannot import",
-        "node.trainer.models:missing_thing": "no attribute",
-        "node.trainer.models:__doc__": "not callable",
+        "node.ml.trainer.nonexistent:make": "cannot import",
+        "node.ml.trainer.models:missing_thing": "no attribute",
+        "node.ml.trainer.models:__doc__": "not callable",
     }
     for spec, message in cases.items():
         with pytest.raises(FactoryError, match=message) as info:

@@ -10,10 +10,10 @@ import pytest
 import torch
 import trio
 
-from node.optim.noloco import NoLoCo, NoLoCoConfig
+from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
+from node.ml.trainer.loop import TrainConfig, Trainer
+from node.ml.trainer.tasks import TaskConfig, build_task
 from node.priority import TRAINER_NICE
-from node.trainer.loop import TrainConfig, Trainer
-from node.trainer.tasks import TaskConfig, build_task
 from node.training.rounds import Outcome
 from node.training.service import TrainingService
 from tests.conftest import await_until
@@ -230,7 +230,7 @@ async def test_an_attacker_trains_its_poison_then_follows_the_swarm_with_that_mo
         return Outcome(r, [])
 
     def attacker():
-        from node.optim.gossip import GossipLearning, layout_of
+        from node.ml.optim.gossip import GossipLearning, layout_of
 
         trainer, _, h = build()()
         step = trainer.step
@@ -260,7 +260,7 @@ async def test_an_attacker_trains_its_poison_then_follows_the_swarm_with_that_mo
 async def test_diloco_waits_for_each_all_reduce_and_steps_on_the_mean():
     """DiLoCo's trainer takes no inner step while a round's all-reduce is out: the exchange
     sees the trainer's step frozen at the boundary, and the model is φ after it."""
-    from node.optim.diloco import DiLoCoConfig, SwarmDiLoCo
+    from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
     holder: dict = {}
 
@@ -287,7 +287,7 @@ async def test_diloco_waits_for_each_all_reduce_and_steps_on_the_mean():
 
 
 def test_swarm_diloco_steps_on_phi_minus_the_mean_and_alone_on_its_own_delta():
-    from node.optim.diloco import DiLoCo, DiLoCoConfig, SwarmDiLoCo
+    from node.ml.optim.diloco import DiLoCo, DiLoCoConfig, SwarmDiLoCo
 
     init = torch.zeros(4)
     thetas = [torch.tensor([1.0, 2, 3, 4]), torch.tensor([3.0, 2, 1, 0])]

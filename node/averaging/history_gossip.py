@@ -12,7 +12,7 @@ swarm still meet in one similarity matrix. One signed entry per stream:
 Everything received is bounded and checked before it touches the table: the message size
 (one vector of our model's size plus a small header) before decoding, the signature, the
 run, the vector's length and values (protocols/history.py), then the table's own rules
-(node/aggregate/history.py: self entries, distance, per-sender flood, table size). Each
+(node/ml/aggregate/history.py: self entries, distance, per-sender flood, table size). Each
 refusal is logged with its reason and counted in `node status`.
 """
 
@@ -28,7 +28,7 @@ from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from node.aggregate.history import HistoryEntry
+from node.ml.aggregate.history import HistoryEntry
 from node.service import NodeContext
 from node.streams import close_quietly
 from protocols import history as hp
@@ -41,7 +41,7 @@ PROTOCOL_ID = hp.PROTOCOL_ID
 
 class HistoryGossip:
     """Sends and receives history entries for one run. The table lives in the aggregator of
-    the trainer's GossipLearning (node/optim/gossip.py), built in the trainer thread and
+    the trainer's GossipLearning (node/ml/optim/gossip.py), built in the trainer thread and
     published as `ctx.run.outer` (None before); its `lock` guards the table. The averager
     calls `after_round` with each round's neighbours."""
 

@@ -4,7 +4,7 @@ The sans-IO protocol (protocols/averaging.py) says what is sent; this module dec
 whom and when, and pumps a libp2p stream through it:
 
 * Pairing: round r's groups are a deterministic function of r and the sorted live
-  membership (node/optim/pairing.py), so both sides agree without a coordinator. Within a
+  membership (node/ml/optim/pairing.py), so both sides agree without a coordinator. Within a
   group the peer with the smaller id dials. If views differ, the responder rejects an
   initiator that is not in its group, and both fall back to a local step.
 * Deadlines come from measurements, not constants: each partner's observed throughput
@@ -182,8 +182,8 @@ class Averager:
 
     def group(self, r: int) -> list[str]:
         """Round r's partners: NoLoCo's group, or gossip learning's k neighbours."""
-        from node.optim import allreduce
-        from node.optim.pairing import group_of, neighbours_of
+        from node.ml.optim import allreduce
+        from node.ml.optim.pairing import group_of, neighbours_of
 
         peers = sorted({*self.members(), self.me})
         if self.all_reduce:
@@ -292,9 +292,9 @@ class Averager:
 
     async def allreduce(self, r: int, snapshot: Any) -> Outcome:
         """DiLoCo's round r: the mean of every live worker's weights, from pairwise swaps
-        one after the other (node/optim/allreduce.py), as the training service's exchange.
+        one after the other (node/ml/optim/allreduce.py), as the training service's exchange.
         A step that fails fails the round (an empty outcome: a local step); never raises."""
-        from node.optim import allreduce
+        from node.ml.optim import allreduce
 
         steps = self._plans[r] = allreduce.plan(self.me, sorted({*self.members(), self.me}))
         for old in [k for k in self._plans if k < r - 2]:

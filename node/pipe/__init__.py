@@ -4,5 +4,5 @@ placement.py (which stage, the stage map; pure), links.py (the `/peertrain/pipe/
 stream adapter), worker.py (the stage's loop in the trainer thread), replicas.py (NoLoCo
 between a stage's hosts), stage_ckpt.py (a host's own checkpoint of its stage), stall.py
 (whether the host's steps complete: the `stalled` phase), service.py (PipelineService: all
-of them together). The stage math itself is node/pipeline/ (pure torch).
+of them together). The stage math itself is node/ml/pipeline/ (pure torch).
 """

@@ -9,7 +9,7 @@ lowest of the emptiest stages. Before training starts any move is free (every st
 starts from the run's seed); once a node trains, it moves only to a stage left with no
 host at all (CheckFree rebuilds it there), never to even out replicas.
 
-Routing between replicas (node/pipeline/schedule.py): replicas of a stage are numbered by
+Routing between replicas (node/ml/pipeline/schedule.py): replicas of a stage are numbered by
 sorted peer id; with as many replicas at the next hop's stage, micro-batch k leaving hop h
 goes to `route(seed, step, k, h, R)[r]`; with a different count (churn), replica
 (k x R_here + r) % R_next, so that every replica of the next stage gets micro-batches.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from node.pipeline.schedule import route  # torch-free: routing runs in the trio thread
+from node.ml.pipeline.schedule import route  # torch-free: routing runs in the trio thread
 
 __all__ = ["arrivals", "balanced", "choose", "complete", "last_replica", "next_replica",
            "rebalance", "route", "stage_map"]

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from node.optim import NoLoCo, NoLoCoConfig
-from node.pipeline.stages import copy_vector_into, own_parameters
+from node.ml.optim import NoLoCo, NoLoCoConfig
+from node.ml.pipeline.stages import copy_vector_into, own_parameters
 from node.training.rounds import Outcome
 
 

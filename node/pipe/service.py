@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.lane import listen_host
+from node.ml.pipeline.schedule import hops
 from node.pipe import convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
-from node.pipeline.schedule import hops
 from protocols import manifest as mf
 from protocols import pipeline as pipe
 
@@ -295,7 +295,7 @@ class PipelineService:
         return [p for p in self.stage_map()[s] if p != ctx.peer_id]
 
     def _replica_rounds(self, worker: Any, token: trio.lowlevel.TrioToken) -> Any:
-        from node.optim import NoLoCoConfig
+        from node.ml.optim import NoLoCoConfig
         from node.pipe.replicas import ReplicaRounds
 
         o = self.m.outer
@@ -438,10 +438,10 @@ class PipelineService:
         """In the trainer thread: the stage from the run's seed, its runner, its data."""
         import torch
 
+        from node.ml.pipeline.runner import StageOptim, StageRunner
+        from node.ml.pipeline.stages import build_stages
+        from node.ml.trainer.models import GPTConfig
         from node.pipe.worker import StageWorker
-        from node.pipeline.runner import StageOptim, StageRunner
-        from node.pipeline.stages import build_stages
-        from node.trainer.models import GPTConfig
 
         m, s = self.m, self.stage
         assert s is not None
@@ -493,7 +493,7 @@ class PipelineService:
     def _batches(self) -> Any:
         import torch
 
-        from node.trainer.tasks import TaskConfig, build_task
+        from node.ml.trainer.tasks import TaskConfig, build_task
         from node.training.build import replica_index
 
         m = self.m
@@ -513,13 +513,13 @@ class PipelineService:
 
     async def _recover(self, worker: Any) -> None:
         """Mid-run, a stage is not drawn from the seed: it takes the most trained weights
-        it can reach, by the rule of node/recovery/sources.py (docs/pipeline.md, "What a
+        it can reach, by the rule of node/ml/recovery/sources.py (docs/pipeline.md, "What a
         stage's weights claim"): a live replica or this node's own checkpoint of the stage
         whose weights are current, else a rebuild from its neighbours (CheckFree: every
         host of each source stage is asked), else the stale ones, most trained first; only
         then the seed's weights, with the reasons logged. Each source's claim of trained
         steps, never the clock, ranks it and goes with its weights (`worker.trained`)."""
-        from node.recovery import sources
+        from node.ml.recovery import sources
 
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
@@ -606,7 +606,7 @@ class PipelineService:
         """Another peer's own checkpoint of our stage (one that hosted it before), if its
         weights are current: every live peer that does not host it is asked at once, the
         first current answer taken (a refusal from each peer that holds none)."""
-        from node.recovery.sources import is_current
+        from node.ml.recovery.sources import is_current
 
         ctx, s = self._ctx, self.stage
         assert ctx is not None and s is not None
@@ -643,8 +643,8 @@ class PipelineService:
         """CheckFree (or CheckFree+) from the nearest surviving stages, past any adjacent
         stage that is lost too (sources.lost_stages); raises when it cannot. The rebuilt
         stage claims the least trained of its sources (its weights are theirs)."""
-        from node.recovery.checkfree import RecoveryError, plan
-        from node.recovery.sources import lost_stages
+        from node.ml.recovery.checkfree import RecoveryError, plan
+        from node.ml.recovery.sources import lost_stages
 
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
@@ -723,7 +723,7 @@ class PipelineService:
         """CheckFree+: (holder, tensors) of the copy of lost edge stage `s`'s ends (its
         embedding / final norm) that its neighbour keeps; ours if this node was that
         neighbour (a takeover). RecoveryError when no neighbour has one."""
-        from node.recovery.checkfree import RecoveryError
+        from node.ml.recovery.checkfree import RecoveryError
 
         ctx = self._ctx
         assert ctx is not None
@@ -740,7 +740,7 @@ class PipelineService:
     async def _keep_ends(self) -> None:
         """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
         edge's ends, refreshed every ENDS_EVERY_S from one of its live hosts."""
-        from node.recovery import EdgeCopies
+        from node.ml.recovery import EdgeCopies
 
         self.ends_copies = EdgeCopies()
         shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # per edge, built once
@@ -764,8 +764,8 @@ class PipelineService:
                 self.ends_copies.refresh(edge, got.tensors, got.step)
 
     def _ends_shapes(self, edge: int) -> dict[str, tuple[int, ...]]:
-        from node.pipeline.stages import Stage
-        from node.trainer.models import GPTConfig
+        from node.ml.pipeline.stages import Stage
+        from node.ml.trainer.models import GPTConfig
 
         m = self.m.model
         config = GPTConfig(d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,

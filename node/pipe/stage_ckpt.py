@@ -83,7 +83,7 @@ def _read(path: Path, run_id: str, stage: int, layers: list[int]) -> tuple[dict,
 
 def claim(path: Path, run_id: str, stage: int, layers: list[int]) -> Claim:
     """What the checkpoint at `path` claims, without loading it into a stage (a recovery
-    ranks it against the live replicas: node/recovery/sources.py)."""
+    ranks it against the live replicas: node/ml/recovery/sources.py)."""
     return _read(path, run_id, stage, layers)[1]
 
 

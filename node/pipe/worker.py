@@ -1,6 +1,6 @@
 """One pipeline stage's loop, in the trainer thread (torch lives here; docs/architecture.md).
 
-The worker owns a `StageRunner` (node/pipeline/runner.py) and talks to the trio thread
+The worker owns a `StageRunner` (node/ml/pipeline/runner.py) and talks to the trio thread
 through the stage's `Inbox` (messages in) and `post` (messages out: the trio side picks
 the peer). It never waits without a deadline:
 
@@ -94,7 +94,7 @@ class StageWorker:
                  first_wait_s: float = FIRST_WAIT_S, layers: Sequence[int] | None = None,
                  swap: bool = False, origin: str = "",
                  arrivals: Callable[[int], int] | None = None) -> None:
-        from node.pipeline.schedule import hops
+        from node.ml.pipeline.schedule import hops
 
         self.runner = runner
         self.stage = runner.stage.index
@@ -179,8 +179,8 @@ class StageWorker:
     def rebuild(self, plan: Any, blocks: dict[int, Any], norms: dict[int, float],
                 grad_clip: float, lr_boost: float) -> None:
         """CheckFree: the lost stage's blocks from its neighbours', a fresh Adam at lr x
-        lr_boost (node/recovery/checkfree.py checks the norms and the weights)."""
-        from node.recovery.checkfree import rebuild_blocks
+        lr_boost (node/ml/recovery/checkfree.py checks the norms and the weights)."""
+        from node.ml.recovery.checkfree import rebuild_blocks
 
         state = rebuild_blocks(plan, blocks, norms, grad_clip)
         with self.lock:
@@ -243,7 +243,7 @@ class StageWorker:
         """One step: micro-batches out, gradients back within the deadline, step. With
         CheckFree+'s swap the first stage also runs its blocks as an interior visit of
         odd micro-batches (`_visit`), between sending their embedding and its gradient."""
-        from node.pipeline.schedule import micro_batches
+        from node.ml.pipeline.schedule import micro_batches
 
         assert self.batches is not None
         self.step = max(self.step, self.leader_step())

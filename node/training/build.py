@@ -52,9 +52,9 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
                    attack: str | None = None) -> tuple[Any, Any, int]:
     """Build (trainer, outer optimizer or None, inner steps H), from the run's initial
     weights (`resume_newest` then loads a checkpoint into them). Runs in a worker thread."""
-    from node.optim.noloco import NoLoCo, NoLoCoConfig
-    from node.trainer.loop import TrainConfig, Trainer
-    from node.trainer.tasks import TaskConfig, build_task
+    from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
+    from node.ml.trainer.loop import TrainConfig, Trainer
+    from node.ml.trainer.tasks import TaskConfig, build_task
 
     task = build_task(TaskConfig(
         name=m.model.task,
@@ -86,7 +86,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     if m.outer.algorithm == "gossip":
         return trainer, _gossip(m, trainer, peer_id, attack), m.outer.inner_steps
     if m.outer.algorithm == "diloco":  # the baseline: an all-reduce every round
-        from node.optim.diloco import DiLoCoConfig, SwarmDiLoCo
+        from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
         outer = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
             outer_lr=m.outer.outer_lr, momentum=m.outer.momentum, nesterov=m.outer.nesterov))
@@ -149,8 +149,8 @@ class Prebuild:
 
 def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> Any:
     """Gossip learning with the manifest's aggregator; an attacker aggregates nothing."""
-    from node.aggregate import make_aggregator
-    from node.optim.gossip import GossipLearning, layout_of
+    from node.ml.aggregate import make_aggregator
+    from node.ml.optim.gossip import GossipLearning, layout_of
 
     layout = layout_of(trainer.model)
     if attack is not None:
@@ -171,7 +171,7 @@ def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> int | None:
     starts from the initial weights instead) and None returned."""
     import logging
 
-    from node.trainer.errors import TrainerError
+    from node.ml.trainer.errors import TrainerError
     from node.training.state import restore_checkpoint
 
     log = logging.getLogger("node.training")

@@ -80,9 +80,9 @@ def check_training_data(manifest: Any, paths: Sequence[str]) -> None:
     files = list(paths) or (list(m.data.paths) if m.data.source == "files" else [])
     if m.model.task != "bytes-gpt" or not files:
         return  # the built-in corpora are always long enough
-    from node.trainer.data import load_text_files
-    from node.trainer.errors import TrainerError
-    from node.trainer.tasks import TaskConfig
+    from node.ml.trainer.data import load_text_files
+    from node.ml.trainer.errors import TrainerError
+    from node.ml.trainer.tasks import TaskConfig
 
     flag = "--data" if paths else "data.paths"
     try:

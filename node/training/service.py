@@ -25,7 +25,7 @@ weights, and its checkpoints say so (docs/checkpoints.md, "What a checkpoint cla
 
 Delayed application. The exchange for round r runs while the inner steps of round r+1
 compute. When round r's outcome arrives (at the first inner step after it lands), the
-trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/optim) and
+trainer computes φ from the snapshot θ_r and the partner's θ_r (NoLoCo, node/ml/optim) and
 moves its live weights to φ plus the local progress made since the snapshot:
 θ ← φ + (θ_now − θ_r). If the outcome is still missing when round r+1 ends, round r is
 closed with a local outer step (the group is just us): a slow or dead partner delays
@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.errors import DeviceMemoryError, TrainingFailed
+from node.ml.trainer import errors as trainer_errors
 from node.priority import lower_session_priority, lower_thread_priority
-from node.trainer import errors as trainer_errors
 from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats
 from node.training.state import checkpoint_tensors
 

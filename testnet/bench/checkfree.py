@@ -15,7 +15,7 @@ so a run's excess loss over the failure-free run is what its failures cost. Runs
 - reinit: a lost stage is freshly initialised, fresh Adam;
 - neighbour-avg: the 0.5/0.5 average of its neighbours, fresh Adam;
 - checkfree: the gradient-norm-weighted average (norms after clipping), fresh Adam,
-  lr x 1.1 kept (node/recovery);
+  lr x 1.1 kept (node/ml/recovery);
 - checkfree+: out-of-order execution (the first two and the last two block stages swapped
   on odd micro-batches); interior stages by CheckFree, and the edge block stages fail too,
   rebuilt by copying their swap partner;
@@ -38,13 +38,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from node.pipeline import Pipeline, StageOptim, build_stages, micro_batches
-from node.pipeline.stages import init_blocks_state
-from node.recovery import plan, rebuild_blocks
-from node.recovery.checkfree import checkfree_weights, neighbour_average
-from node.trainer import TaskConfig, build_task
-from node.trainer.models import GPTConfig
-from node.trainer.tasks import Task
+from node.ml.pipeline import Pipeline, StageOptim, build_stages, micro_batches
+from node.ml.pipeline.stages import init_blocks_state
+from node.ml.recovery import plan, rebuild_blocks
+from node.ml.recovery.checkfree import checkfree_weights, neighbour_average
+from node.ml.trainer import TaskConfig, build_task
+from node.ml.trainer.models import GPTConfig
+from node.ml.trainer.tasks import Task
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 RUNS = ("none", "checkpoint", "reinit", "neighbour-avg", "checkfree", "checkfree+",

@@ -3,7 +3,7 @@
     node bench convergence [--quick]
 
 Eight replicas of a small byte-level GPT on the stdlib corpus, simulated in one process
-with the real inner loop (node/trainer) and outer optimizers (node/optim); no network, so
+with the real inner loop (node/ml/trainer) and outer optimizers (node/ml/optim); no network, so
 the numbers isolate the algorithms (issue 3; spec section 1, "small-scale reproduction").
 
 Methods, all with the same inner AdamW settings, schedule, number of inner steps and
@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from node.optim import DiLoCo, DiLoCoConfig, NoLoCo, NoLoCoConfig, noloco_groups
-from node.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
-from node.trainer.tasks import Task
+from node.ml.optim import DiLoCo, DiLoCoConfig, NoLoCo, NoLoCoConfig, noloco_groups
+from node.ml.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
+from node.ml.trainer.tasks import Task
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 METHODS = ("noloco", "diloco", "noloco-all", "none", "sync")

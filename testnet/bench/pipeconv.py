@@ -5,11 +5,11 @@
 The NoLoCo paper's claim over DiLoCo is made for pipelines whose activations are routed at
 random between the replicas of the next stage (specs/algorithms.md §1c; §1f's optional
 "2 stages x 4 replicas, with and without routing"). This benchmark simulates that in one
-process: a byte-level GPT cut into 2 stages (node/pipeline: the embedding and first block;
+process: a byte-level GPT cut into 2 stages (node/ml/pipeline: the embedding and first block;
 the second block, final norm and head), 4 replicas of each stage, each stage replica with
 its own AdamW (the trainer's settings and schedule) and gradient clipping. Every replica of
 the first stage reads its own data stream; every sequence is its own micro-batch and
-follows `node.pipeline.path` (seeded by the run seed, step and sequence): with random
+follows `node.ml.pipeline.path` (seeded by the run seed, step and sequence): with random
 routing a sequence may cross to any replica of the next stage, with fixed routing it stays
 on its own replica's stages, which makes 4 independent data-parallel models.
 
@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from node.optim import DiLoCo, NoLoCo, noloco_groups
-from node.pipeline import Stage, build_stages, path
-from node.pipeline.runner import clip_and_norm
-from node.pipeline.stages import copy_vector_into
-from node.trainer import TaskConfig, TrainConfig, build_task
-from node.trainer.adamw import AdamW
-from node.trainer.loop import lr_at
-from node.trainer.models import GPTConfig
-from node.trainer.tasks import Task
+from node.ml.optim import DiLoCo, NoLoCo, noloco_groups
+from node.ml.pipeline import Stage, build_stages, path
+from node.ml.pipeline.runner import clip_and_norm
+from node.ml.pipeline.stages import copy_vector_into
+from node.ml.trainer import TaskConfig, TrainConfig, build_task
+from node.ml.trainer.adamw import AdamW
+from node.ml.trainer.loop import lr_at
+from node.ml.trainer.models import GPTConfig
+from node.ml.trainer.tasks import Task
 from testnet.bench.convergence import DILOCO, NOLOCO, replica_spread
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
@@ -342,7 +342,7 @@ def _section(results: Sequence[RunResult], cfg: PipeConfig, quick: bool, n_param
         f"matrices) and clips its own gradient to 1. Each first-stage replica reads its own "
         f"stream, {cfg.batch} sequences per step, every sequence its own micro-batch "
         f"(spec §1c); random routing sends each to a replica of the next stage by "
-        f"`node.pipeline.path`, fixed routing keeps it on its replica's stages. The head is "
+        f"`node.ml.pipeline.path`, fixed routing keeps it on its replica's stages. The head is "
         f"tied to the embedding of the sequence's first-stage replica. Every H = {cfg.h} "
         f"steps each stage's replicas take the outer step: NoLoCo in random pairs, η "
         f"{NOLOCO.outer_lr}, heavy-ball μ {NOLOCO.momentum}; DiLoCo over all "

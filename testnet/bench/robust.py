@@ -5,7 +5,7 @@
 Both experiments of issue 5, each the "small-scale reproduction" of its spec section
 (specs/algorithms.md §3 SybilWall, §2 variance correction), run in one process by the
 harness in testnet/bench/robust_sim.py with the aggregators the nodes use
-(node/aggregate). Writes the `robust` section of docs/benchmarks.md and docs/robust.png,
+(node/ml/aggregate). Writes the `robust` section of docs/benchmarks.md and docs/robust.png,
 and prints the tables.
 
 1. Sybils: 20 honest peers, logistic regression on 64-feature 10-class digits, Dirichlet

@@ -1,6 +1,6 @@
 """The one-process harness behind `node bench robust` (specs/algorithms.md §5, "one CPU
 harness"): N peers simulated in one process, exchanging models over a fixed graph and
-combining them with the same aggregators the nodes run (node/aggregate). No network, no
+combining them with the same aggregators the nodes run (node/ml/aggregate). No network, no
 trainer thread: models are small dicts of tensors trained with plain SGD, so a full sweep
 of aggregators x attacks x sybil counts fits in a few minutes of one core.
 
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from node.aggregate import HistoryTable, Incoming, make_aggregator
-from node.trainer.tasks import BACKDOOR_TARGET, DigitsData, add_trigger, load_digits
+from node.ml.aggregate import HistoryTable, Incoming, make_aggregator
+from node.ml.trainer.tasks import BACKDOOR_TARGET, DigitsData, add_trigger, load_digits
 
 State = dict[str, torch.Tensor]
 Progress = Callable[[str], None]

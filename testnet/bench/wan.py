@@ -12,7 +12,7 @@ twice, once per algorithm:
 - NoLoCo: each outer step one pairwise swap, overlapped with the next round's inner steps;
 - DiLoCo (`outer.algorithm = "diloco"`, Nesterov, outer lr 0.7, momentum 0.9 as
   OpenDiLoCo): each outer step an all-reduce of the 4 nodes' weights by recursive doubling,
-  2 pairwise swaps one after the other (node/optim/allreduce.py), while every trainer waits.
+  2 pairwise swaps one after the other (node/ml/optim/allreduce.py), while every trainer waits.
 
 Every node's status is read every SAMPLE_S: steps, compute share, rounds averaged and
 local, bytes sent, the validation loss, each exchange's seconds, the time DiLoCo's

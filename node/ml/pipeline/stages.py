@@ -1,4 +1,4 @@
-"""Cutting the byte-level GPT (node/trainer/models.py) into pipeline stages.
+"""Cutting the byte-level GPT (node/ml/trainer/models.py) into pipeline stages.
 
 A stage is a contiguous slice of the model: the first stage also holds the embedding
 (token + position tables), the last the final LayerNorm and the output head, and every
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from node.trainer.models import GPT, Block, GPTConfig
+from node.ml.trainer.models import GPT, Block, GPTConfig
 
 
 class Stage(nn.Module):
@@ -40,7 +40,7 @@ class Stage(nn.Module):
     `forward(x)`: the first stage takes token ids (B, T) int64, the others activations
     (B, T, d_model); the last returns logits (B, T, vocab), the others activations.
     `embed`, `run_blocks` and `head` are the three parts, called separately where the
-    execution order is not the stage order (CheckFree+'s swap, node/pipeline/schedule.py).
+    execution order is not the stage order (CheckFree+'s swap, node/ml/pipeline/schedule.py).
     """
 
     def __init__(self, config: GPTConfig, index: int, n_stages: int, n_blocks: int) -> None:

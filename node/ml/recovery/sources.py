@@ -16,7 +16,7 @@ The order, for a clock at `swarm` and `fresh` = swarm - STALE_CHECKPOINTS x ever
    before and moved, or restarted on another stage: every live peer is asked, a refusal
    from each that has none);
 3. CheckFree from the nearest surviving stages (where the recovery rule allows it; past
-   adjacent losses: node/recovery/checkfree.plan's `lost_too`, `lost_stages` here);
+   adjacent losses: node/ml/recovery/checkfree.plan's `lost_too`, `lost_stages` here);
 4. stale sources, most trained first: weights that trained a little beat the seed's;
 5. the seed (0 trained steps).
 
@@ -77,7 +77,7 @@ def rebuild_from(lost: set[int], layers: Sequence[int], mode: str,
     docs/pipeline.md, "Adjacent losses"): "checkpoint" where a peer holds a current one
     (`held`: stage -> the most trained steps a peer's checkpoint claims), else CheckFree's
     "copy of j" / "average of p, q" (the nearest surviving stages), else "seed"."""
-    from node.recovery.checkfree import RecoveryError, plan
+    from node.ml.recovery.checkfree import RecoveryError, plan
 
     out: dict[int, str] = {}
     for s in sorted(lost):

@@ -120,7 +120,7 @@ class DiLoCo:
 class SwarmDiLoCo(DiLoCo):
     """DiLoCo in a live swarm, as the training service drives an outer optimizer: at each
     boundary the trainer waits (`synchronous`) for the all-reduce of the workers' weights
-    (node/optim/allreduce.py, run by the averager), and since φ is the same on every
+    (node/ml/optim/allreduce.py, run by the averager), and since φ is the same on every
     worker, the mean pseudo-gradient is φ − mean(θ_i). No mean (the all-reduce failed) is
     a local step on this worker's own Δ_i: its φ then leaves the others'."""
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from node.pipeline.schedule import Hop, execution_order
-from node.pipeline.stages import Stage, own_parameters
-from node.trainer.adamw import AdamW
+from node.ml.pipeline.schedule import Hop, execution_order
+from node.ml.pipeline.stages import Stage, own_parameters
+from node.ml.trainer.adamw import AdamW
 
 
 class PipelineFull(RuntimeError):

@@ -7,7 +7,7 @@ Rules (specs/algorithms.md §4c, from gensyn-ai/CheckFree's simulation code):
   j's last gradient norm measured *after* its clipping (so two neighbours that both clip
   weigh the same: a plain average). Then a fresh Adam with the learning rate times
   `lr_boost` (1.1), kept for that stage. Other stages are untouched.
-- **CheckFree+** adds out-of-order execution (node/pipeline/schedule.py) so that the first
+- **CheckFree+** adds out-of-order execution (node/ml/pipeline/schedule.py) so that the first
   two and the last two stages with blocks can stand in for each other: a lost one of those
   four is a **copy** of its swap partner, and a lost embedding or head (the ends) is the
   copy its neighbour keeps (`EdgeCopies`). A tied embedding is copied, never averaged.
@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from node.pipeline.schedule import swap_partner
+from node.ml.pipeline.schedule import swap_partner
 
 EPS = 1e-4  # the reference's ω = ‖g‖ + 1e-4: neither weight is ever 0
 DEFAULT_LR_BOOST = 1.1  # 124M and 1.5B configs; 1.2 at 500M (§4c)

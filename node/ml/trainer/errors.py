@@ -1,4 +1,4 @@
-"""Typed errors raised by node/trainer/.
+"""Typed errors raised by node/ml/trainer/.
 
 Each carries the fields a caller needs to say what went wrong; only cli/ turns them into
 sentences for the user and exit codes (STYLE.md point 5).
@@ -6,14 +6,14 @@ sentences for the user and exit codes (STYLE.md point 5).
 
 from __future__ import annotations
 
-from node.device import DeviceError  # torch-free: the CLI checks a device before torch loads
+from node.ml.device import DeviceError  # torch-free: the CLI checks a device before torch loads
 
 __all__ = ["ConfigError", "DataError", "DeviceError", "DeviceMemoryError", "FactoryError",
            "TrainerError"]
 
 
 class TrainerError(Exception):
-    """Base class of every error raised by node/trainer/."""
+    """Base class of every error raised by node/ml/trainer/."""
 
 
 class DataError(TrainerError, ValueError):
@@ -44,6 +44,6 @@ class ConfigError(TrainerError, ValueError):
 
 
 class DeviceMemoryError(TrainerError):
-    """Training would not fit in the GPU's free memory (node/trainer/memory_fit.py says why
+    """Training would not fit in the GPU's free memory (node/ml/trainer/memory_fit.py says why
     and what to try); raised before the model moves there, or for an out-of-memory error in
     a step."""

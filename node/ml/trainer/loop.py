@@ -2,7 +2,7 @@
 
 It is built to be driven one step at a time from the daemon's dedicated training thread
 (`trio.to_thread.run_sync(trainer.step)`, or a plain `threading.Thread`); the outer
-optimizers in node/optim/ read and write its weights between steps through
+optimizers in node/ml/optim/ read and write its weights between steps through
 `parameters_vector()` / `set_parameters_vector()`. One thread at a time may call a
 `Trainer`; nothing here locks.
 
@@ -14,7 +14,7 @@ Seeding (NoLoCo needs identical initial weights on every replica, spec section 1
 - evaluation uses the same fixed batches on every call and on every replica, so validation
   losses are comparable across time and peers.
 
-Inner optimiser: AdamW (our own, node/trainer/adamw.py: torch.optim's imports
+Inner optimiser: AdamW (our own, node/ml/trainer/adamw.py: torch.optim's imports
 torch._dynamo), betas (0.9, 0.95), weight decay on matrices and embeddings only (nanoGPT),
 linear warm-up then cosine decay to a floor of lr/10, gradient clipping at 1.0 (spec
 sections 0d and 1d). Its state is never reset or averaged by the outer step.
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from node.device import resolve as resolve_device
+from node.ml.device import resolve as resolve_device
 
 from .adamw import AdamW
 from .errors import ConfigError, DeviceMemoryError, TrainerError
@@ -173,7 +173,7 @@ class Trainer:
 
     def check_memory(self, free_bytes: int | None = None) -> None:
         """DeviceMemoryError when a step's estimated memory exceeds the device's free memory
-        (node/trainer/memory_fit.py); `free_bytes` defaults to torch.cuda.mem_get_info."""
+        (node/ml/trainer/memory_fit.py); `free_bytes` defaults to torch.cuda.mem_get_info."""
         if free_bytes is None:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
         half = self.device.type == "cuda" and torch.cuda.is_bf16_supported()

@@ -1,9 +1,9 @@
 """Recovering lost pipeline stages without checkpoints: CheckFree and CheckFree+.
 
-Pure functions over state dicts (node/recovery/checkfree.py); docs/pipeline.md.
+Pure functions over state dicts (node/ml/recovery/checkfree.py); docs/pipeline.md.
 """
 
-from node.recovery.checkfree import (
+from node.ml.recovery.checkfree import (
     DEFAULT_LR_BOOST,
     BadGradNorm,
     EdgeCopies,

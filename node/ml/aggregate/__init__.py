@@ -1,7 +1,7 @@
 """Aggregators: what a peer makes of its own model and the models its neighbours sent.
 
 Pure tensor code over named-tensor models (no networking), shared by the swarm
-(node/optim/gossip.py) and the in-process benchmark (testnet/bench/robust_sim.py):
+(node/ml/optim/gossip.py) and the in-process benchmark (testnet/bench/robust_sim.py):
 
     agg = make_aggregator("sybilwall", self_id=me, reference=initial_state)
     result = agg.aggregate(round, own_state, [Incoming(peer, state), ...])

@@ -67,7 +67,7 @@ class Task:
         return {"loss": self.loss(output, target).item()}
 
     def activation_bytes(self, batch_size: int, half: bool) -> int:
-        """Bytes of activations a training step keeps for backward (node/trainer/
+        """Bytes of activations a training step keeps for backward (node/ml/trainer/
         memory_fit.py); 0 when the task has no formula for its model (a factory's)."""
         return 0
 
@@ -267,7 +267,7 @@ class DigitsMLPTask(Task):
         return {**super().metrics(output, target), "accuracy": accuracy}
 
     def activation_bytes(self, batch_size: int, half: bool) -> int:
-        """Bytes of activations a training step keeps for backward (node/trainer/
+        """Bytes of activations a training step keeps for backward (node/ml/trainer/
         memory_fit.py); 0 when the task has no formula for its model (a factory's)."""
         return 0
 

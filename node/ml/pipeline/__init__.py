@@ -1,7 +1,7 @@
 """Pipeline stages, pure torch with no networking: cutting the GPT, routing, execution.
 
 docs/pipeline.md describes the layout and the routing; node/pipe/ runs them live.
-The names below load on first use: `node.pipeline.schedule` is torch-free, and the live
+The names below load on first use: `node.ml.pipeline.schedule` is torch-free, and the live
 service's trio thread imports it to route before torch is loaded (node/preload.py).
 """
 
@@ -20,5 +20,5 @@ __all__ = sorted(_WHERE)
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'node.pipeline' has no attribute {name!r}")
-    return getattr(import_module(f"node.pipeline.{_WHERE[name]}"), name)
+        raise AttributeError(f"module 'node.ml.pipeline' has no attribute {name!r}")
+    return getattr(import_module(f"node.ml.pipeline.{_WHERE[name]}"), name)

@@ -6,7 +6,7 @@ Typical use, from the daemon's training thread::
     trainer = Trainer(task, TrainConfig(seed=run_seed, replica=my_index))
     for _ in range(H):
         stats = trainer.step()
-    theta = trainer.parameters_vector()  # hand to node/optim/ for the outer step
+    theta = trainer.parameters_vector()  # hand to node/ml/optim/ for the outer step
 
 See docs/training.md.
 """

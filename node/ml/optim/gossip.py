@@ -68,7 +68,7 @@ class GossipLearning:
             return None
         if not partners:
             return theta.clone()
-        from node.aggregate import Incoming
+        from node.ml.aggregate import Incoming
 
         names = list(peers) + [f"peer-{i}" for i in range(len(peers), len(partners))]
         incoming, rejected = [], {}

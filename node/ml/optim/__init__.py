@@ -2,7 +2,7 @@
 
 Pure tensor code with no networking: the caller moves the vectors between peers, and the
 simulator and tests call these directly. Vectors are laid out as
-`node.trainer.Trainer.parameters_vector()`. See docs/training.md for the update rules.
+`node.ml.trainer.Trainer.parameters_vector()`. See docs/training.md for the update rules.
 """
 
 from .diloco import DiLoCo, DiLoCoConfig, diloco_update
