@@ -24,7 +24,6 @@ from typing import Any
 
 import trio
 
-from node import preload
 from node.checkpoints.exchange import CheckpointServer
 from node.checkpoints.store import CheckpointStore
 from node.config import NodeConfig
@@ -44,8 +43,9 @@ from node.membership.heartbeats import HeartbeatService
 from node.membership.records import VALIDATORS, PeerRecordService
 from node.membership.redial import Redialer
 from node.membership.view import Membership
-from node.memory import tune_malloc
 from node.metrics.service import MetricsService
+from node.process import preload
+from node.process.memory import tune_malloc
 from node.reach.paths import PathService
 from node.reach.punch import HolePunchService
 from node.reach.relays import RelayService
@@ -152,7 +152,7 @@ class Node:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signals, nursery.cancel_scope)
             if self.config.run_id is not None and self.config.train:
-                preload.start()  # torch loads while the node joins (node/preload.py)
+                preload.start()  # torch loads while the node joins (node/process/preload.py)
             await nursery.start(ctx.substrate.serve)
             await nursery.start(ctx.publisher.run)
             for service in self.services:
@@ -229,7 +229,7 @@ class Node:
             from node.checkpoints.vet import CheckpointVet
 
             # Pulls the newest checkpoint before it reports ready; needs no torch, which
-            # is still loading in the background (node/preload.py), until it checks the
+            # is still loading in the background (node/process/preload.py), until it checks the
             # pulled checkpoint's claim of progress with the trainer (built meanwhile).
             self._checkpoints = CheckpointService(
                 publish=rundoc.publish, synced=rundoc.first_sync,

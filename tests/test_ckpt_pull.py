@@ -47,7 +47,7 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
         await trio.sleep_forever()
 
     async def lie(stream):  # answers every request with garbage of the right shape
-        from node.streams import next_event
+        from node.transport.streams import next_event
 
         decoder = cx.REQUEST_LIMITS.decoder()
         while True:

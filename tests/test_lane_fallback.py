@@ -10,7 +10,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.averaging import service as averaging
 from node.averaging.service import Averager
-from node.lane import connect_lane
+from node.transport.lane import connect_lane
 from p2p.host import Substrate
 
 from .conftest import averager_pair, exchange_both

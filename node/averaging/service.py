@@ -29,9 +29,9 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.averaging import adapt
-from node.lane import LaneListener, connect_lane, listen_host
-from node.streams import close_quietly, pump, write_chunks
 from node.training.rounds import Outcome
+from node.transport.lane import LaneListener, connect_lane, listen_host
+from node.transport.streams import close_quietly, pump, write_chunks
 from p2p.host import Substrate
 from p2p.timing import Timings
 from protocols import averaging as av

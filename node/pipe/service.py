@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.lane import listen_host
 from node.ml.pipeline.schedule import hops
 from node.pipe import convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
+from node.transport.lane import listen_host
 from protocols import manifest as mf
 from protocols import pipeline as pipe
 
@@ -116,7 +116,7 @@ class PipelineService:
         `first_choice` (a joiner choosing its stage): less, too, those written more than a
         peer ttl before the freshest one heard. A replacement that starts within seconds of
         its predecessor's death (as fast as a joiner does since trainers yield the CPU,
-        node/priority.py) got the dead host's last heartbeat from gossip's history, stamped
+        node/process/priority.py) got the dead host's last heartbeat from gossip's history, stamped
         live on arrival, took another stage, and a trained host took the dead one's over
         (CI, 2026-11-26). Only for that choice: later the ttl on arrival expires such an
         entry, and a host whose heartbeats arrive late under load stays in the map."""
@@ -407,7 +407,7 @@ class PipelineService:
         def main() -> None:
             import torch
 
-            from node.priority import lower_session_priority, lower_thread_priority
+            from node.process.priority import lower_session_priority, lower_thread_priority
 
             lower_thread_priority()
             lower_session_priority()
@@ -809,7 +809,7 @@ class PipelineService:
         return None
 
     async def _serve_weights(self, stream: INetStream) -> None:
-        from node.streams import next_event, write_chunks
+        from node.transport.streams import next_event, write_chunks
 
         try:
             with trio.fail_after(10):

@@ -121,7 +121,7 @@ class Prebuild:
 
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
                  hold: Callable[[], bool] = lambda: False) -> None:
-        from node import preload
+        from node.process import preload
 
         self._cancelled = threading.Event()
 
