@@ -104,19 +104,15 @@ class Node:
                                       fallback=config.metrics_fallback,
                                       progress_s=config.progress_s)
         reach = ReachabilityService(upnp=config.upnp)
-        self.ctx.lane_dialable = reach.lane_dialable
         punch = HolePunchService(reach.verdict)
-        # WebRTC data channels to peers reached only through a relay (node/webrtc/);
-        # averaging and checkpoint pulls open their streams through it.
+        # WebRTC data channels to peers reached only through a relay (node/webrtc/); path
+        # kinds labelled by the services that open connections of their own kind (the
+        # punch's). Both go behind the context's one door to every peer.
         self.webrtc = WebRtcService(reach.verdict)
-        # Path kinds other services label (the punch's; a WebRTC transport adds its own).
         self.paths = PathService([punch.label], upnp_mapped=reach.mapped)
-        self.ctx.open_stream = self.webrtc.open_stream
-        # a data channel's path is `webrtc`, not the relay's: no relay budget, no lane
-        self.ctx.path_of = lambda peer: (self.webrtc.paths().get(peer)
-                                         or self.paths.paths().get(peer, "direct"))
+        self.ctx.transports.attach(channels=self.webrtc, kinds=self.paths,
+                                   lane_dialable=reach.lane_dialable)
         checkpoint_server = CheckpointServer(self.ctx.checkpoints)
-        self.webrtc.set_handler(checkpoint_server.protocols[0], checkpoint_server.handle)
         self.services: list[Service] = [
             ControlService({"status": self.status, "ping": lambda: "pong",
                             "rundoc": self._rundoc_stamps,
@@ -270,11 +266,9 @@ class Node:
 
             run = ctx.the_run()
             return [PipelineService(run.manifest, run.run_id, run.progress, config.data,
-                                    device=ctx.device,
-                                    path_of=lambda peer: self.paths.paths().get(peer, "direct"))]
+                                    device=ctx.device)]
         from node.averaging import adapt
         from node.averaging.history_gossip import HistoryGossip
-        from node.averaging.service import PROTOCOL_ID as av_protocol
         from node.averaging.service import Averager
         from node.training.build import POISON_ROUNDS, neighbours, resume_newest
         from node.training.service import TrainingService
@@ -297,12 +291,8 @@ class Node:
                 stats=run.progress, neighbours=neighbours(m),
                 fixed_neighbours=config.neighbours or None,
                 after_round=history.after_round if history else None,
-                open_stream=ctx.open_stream, path_of=ctx.path_of,
-                all_reduce=m.outer.algorithm == "diloco", lane_dialable=ctx.lane_dialable,
-                relay_limit=int(m.network.relay_exchange_mb * 1e6),
-                rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer))
-                                     else None))
-            self.webrtc.set_handler(av_protocol, averager.handle)
+                transports=ctx.transports, all_reduce=m.outer.algorithm == "diloco",
+                relay_limit=int(m.network.relay_exchange_mb * 1e6))
             services.append(averager)
         prebuilt = self._prebuilt
         assert prebuilt is not None

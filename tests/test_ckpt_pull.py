@@ -26,13 +26,14 @@ def joining(doc, me: Substrate, state: Path):
 
     from node.checkpoints.service import CheckpointService
     from node.service import Phases
+    from node.transport.transports import Transports
 
     synced = trio.Event()
     synced.set()
     service = CheckpointService(publish=lambda delta: None, synced=synced)
     ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me, open_stream=None,
-                          path_of=lambda peer: "direct", checkpoints=CheckpointStore(state))
+                          phases=Phases(), substrate=me, transports=Transports(me),
+                          checkpoints=CheckpointStore(state))
     return service, ctx
 
 

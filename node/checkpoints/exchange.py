@@ -68,8 +68,8 @@ class CheckpointServer:
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.lane_host = listen_host(ctx.substrate)
-        self.lane_dialable = ctx.lane_dialable
-        ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
+        self.lane_dialable = ctx.transports.lane_dialable
+        ctx.transports.serve(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
 

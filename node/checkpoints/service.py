@@ -176,7 +176,8 @@ class CheckpointService:
         try:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
                                          progress=progress, more_providers=dht_providers,
-                                         open_stream=ctx.open_stream, path_of=ctx.path_of)
+                                         open_stream=ctx.transports.open_stream,
+                                         path_of=ctx.transports.path_of)
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s)", cid, e)
             return False
