@@ -261,3 +261,29 @@ def test_cuda_torch_compile_beside_training_becomes_ready():
     assert trainer.compile_status == "ready", trainer.compile_status
     stats = [trainer.step() for _ in range(20)]
     assert all(math.isfinite(s.loss) for s in stats) and stats[-1].loss < first.loss
+
+
+# -- the manifest's switch --------------------------------------------------------------------
+
+
+def test_train_compile_in_the_manifest_keeps_old_run_ids_and_reaches_the_trainer():
+    from protocols import manifest as mf
+
+    base = mf.parse_manifest('[run]\nname = "r"\n')
+    assert base.train.compile == "auto"
+    assert "compile" not in mf.canonical_bytes(base).decode()  # same bytes as before it
+    off = mf.parse_manifest('[run]\nname = "r"\n[train]\ncompile = "off"\n')
+    assert '"compile":"off"' in mf.canonical_bytes(off).decode()
+    assert mf.run_id(mf.canonical_bytes(off)) != mf.run_id(mf.canonical_bytes(base))
+    with pytest.raises(mf.ManifestError, match=r"train\.compile"):
+        mf.parse_manifest('[run]\nname = "r"\n[train]\ncompile = true\n')
+
+    from node.training.build import COMPILE, build_training
+
+    assert COMPILE == {"auto": None, "on": True, "off": False}
+    digits = ('[run]\nname = "r"\n[model]\ntask = "digits-mlp"\n[data]\nsource = "digits"\n'
+              '[outer]\nalgorithm = "none"\n[train]\ncompile = ')
+    for value, compiling in (('"off"', False), ('"auto"', False)):  # a CPU: never
+        trainer, _, _ = build_training(mf.parse_manifest(digits + value + "\n"), "peer", "cpu")
+        assert trainer.config.compile is COMPILE[value.strip('"')]
+        assert (trainer.compile_status == "compiling") is compiling
