@@ -287,3 +287,19 @@ def test_train_compile_in_the_manifest_keeps_old_run_ids_and_reaches_the_trainer
         trainer, _, _ = build_training(mf.parse_manifest(digits + value + "\n"), "peer", "cpu")
         assert trainer.config.compile is COMPILE[value.strip('"')]
         assert (trainer.compile_status == "compiling") is compiling
+
+
+def test_a_cpu_trainer_imports_no_dynamo():
+    """Compile is off on a CPU, and the AdamW is ours: the join pays no torch._dynamo."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from node.ml.trainer.loop import TrainConfig, Trainer\n"
+            "from node.ml.trainer.tasks import DigitsMLPTask\n"
+            "t = Trainer(DigitsMLPTask(), TrainConfig(device='cpu', batch_size=8))\n"
+            "t.step(); t.parameters_vector()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
