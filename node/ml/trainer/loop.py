@@ -18,6 +18,11 @@ Inner optimiser: AdamW (our own, node/ml/trainer/adamw.py: torch.optim's imports
 torch._dynamo), betas (0.9, 0.95), weight decay on matrices and embeddings only (nanoGPT),
 linear warm-up then cosine decay to a floor of lr/10, gradient clipping at 1.0 (spec
 sections 0d and 1d). Its state is never reset or averaged by the outer step.
+
+At the GPU's speed (issue 29; docs/training.md): the loss and gradient norm are read back
+every `sync_every` steps, a non-finite step is skipped on the device and raised at the next
+read-back, AdamW runs its fused kernel on CUDA, a batch may be split into micro-batches,
+and `torch.compile` runs beside training (eager until it is ready).
 """
 
 from __future__ import annotations
@@ -289,6 +294,7 @@ class Trainer:
         A twin, so that evaluation switching the model to eval mode meanwhile cannot change
         what is traced (its guards would then fail and recompile in the training thread).
         Only a forward runs here: the weights and gradients are the training thread's."""
+        started = time.perf_counter()
         try:
             shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
             twin = copy.deepcopy(self.model, memo=shared).train()
@@ -303,6 +309,8 @@ class Trainer:
         else:
             self._compiled = forward
             self.compile_status = "ready"
+            log.info("torch.compile ready after %.1f s; the steps run compiled from now on",
+                     time.perf_counter() - started)
         finally:
             self.compile_done.set()
 
