@@ -57,6 +57,7 @@ class Variant:
     compile_s: float | None = None
     note: str = ""
     blocks: list[float] | None = None  # seconds per step, one per timed block
+    cpu: list[float] | None = None  # process CPU seconds per step, one per timed block
 
 
 def gpu_peak(name: str) -> float | None:
@@ -169,16 +170,17 @@ def measure(variants: list[Variant], steps: int, rounds: int, warmup: int) -> No
         for _ in range(warmup):
             v.step()
         v.settle()
-        v.blocks = []
+        v.blocks, v.cpu = [], []
     for _ in range(rounds):  # interleaved: a change in load hits every variant alike
         for v in variants:
             v.settle()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 v.step()
             v.settle()
-            assert v.blocks is not None
+            assert v.blocks is not None and v.cpu is not None
             v.blocks.append((time.perf_counter() - started) / steps)
+            v.cpu.append((time.process_time() - cpu) / steps)
 
 
 def main(device: str = "auto", quick: bool = False, d_model: int | None = None,
@@ -220,16 +222,18 @@ def main(device: str = "auto", quick: bool = False, d_model: int | None = None,
     tokens = shape["batch"] * shape["context"]
     base = next((v for v in variants if v.name == "plain loop + torch.compile"), variants[0])
     base_s = statistics.median(base.blocks or [])
+    base_cpu = statistics.median(base.cpu or [])
     rows = []
     for v in variants:
-        blocks = v.blocks or []
-        s = statistics.median(blocks)
+        blocks, cpu = v.blocks or [], v.cpu or []
+        s, c = statistics.median(blocks), statistics.median(cpu)
         mfu = f"{fpt * tokens / s / peak:.1%}" if peak else "-"
         rows.append([v.name, f"{s * 1e3:.1f}", f"{min(blocks) * 1e3:.1f}-{max(blocks) * 1e3:.1f}",
-                     f"{tokens / s:,.0f}", mfu, f"{base_s / s:.2f}x",
+                     f"{c * 1e3:.1f}", f"{tokens / s:,.0f}", mfu,
+                     f"{base_s / s:.2f}x / {base_cpu / c:.2f}x",
                      "-" if v.compile_s is None else f"{v.compile_s:.1f}", v.note])
-    headers = ["variant", "ms/step (median)", "ms/step (range)", "tokens/s", "MFU",
-               f"speed vs {base.name}", "compile s", "notes"]
+    headers = ["variant", "ms/step (median)", "ms/step (range)", "CPU ms/step", "tokens/s",
+               "MFU", f"speed vs {base.name} (wall / CPU)", "compile s", "notes"]
     table = md_table(headers, rows)
     console.print(table)
     kind = "cuda" if cuda else "cpu"
@@ -242,7 +246,10 @@ def main(device: str = "auto", quick: bool = False, d_model: int | None = None,
             f"Model: {shape_text}; {threads} torch thread(s); {rounds} interleaved rounds of "
             f"{steps} timed steps per variant after warm-up; 1-minute load average "
             f"{min(load):.1f}-{max(load):.1f} during the run ({wall:.0f} s in all).\n\n"
-            f"{table}\n")
+            f"{table}\n\nms/step, tokens/s and MFU are wall time; CPU ms/step is the process's "
+            "CPU time per step (all its threads), the figure that other work on the machine "
+            "moves least" + (" (on CUDA it is the host's share: launches and Python)" if cuda
+                             else "") + ".\n")
     write_block(kind, text, doc or DOC)
     return text
 
