@@ -67,20 +67,21 @@ def trainer(
     quick: Quick = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (auto: cuda if present).")]
     = "auto",
-    d_model: Annotated[int | None, typer.Option(
+    d_model: Annotated[int | None, typer.Option(min=1,
         help="Model width (default 768 on CUDA: the 86M model; 128 on a CPU).")] = None,
-    layers: Annotated[int | None, typer.Option(help="Layers (default 12 CUDA, 4 CPU).")]
+    layers: Annotated[int | None, typer.Option(min=1, help="Layers (default 12 CUDA, 4 CPU).")]
     = None,
-    heads: Annotated[int | None, typer.Option(help="Heads (default 12 CUDA, 4 CPU).")]
+    heads: Annotated[int | None, typer.Option(min=1, help="Heads (default 12 CUDA, 4 CPU).")]
     = None,
-    context: Annotated[int | None, typer.Option(help="Context (default 1024 CUDA, 128 CPU).")]
+    context: Annotated[int | None, typer.Option(
+        min=1, help="Context (default 1024 CUDA, 128 CPU).")]
     = None,
-    batch: Annotated[int | None, typer.Option(help="Batch (default 16).")] = None,
-    steps: Annotated[int | None, typer.Option(help="Timed steps per block.")] = None,
-    rounds: Annotated[int | None, typer.Option(help="Interleaved rounds of blocks.")] = None,
+    batch: Annotated[int | None, typer.Option(min=1, help="Batch (default 16).")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Timed steps per block.")] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="Interleaved rounds of blocks.")] = None,
     compile_: Annotated[bool, typer.Option(
         "--compile/--no-compile", help="Also the torch.compile variants.")] = True,
-    threads: Annotated[int, typer.Option(help="torch threads (a node's default: 1).")] = 1,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads (a node's default: 1).")] = 1,
     peak_tflops: Annotated[float | None, typer.Option(
         help="The device's peak TFLOP/s for MFU, where the built-in table has none.")]
     = None,
@@ -93,11 +94,15 @@ def trainer(
         dev.precheck(device)
     except dev.DeviceError as e:
         raise fail(str(e), 2) from None
+    from node.ml.trainer.errors import ConfigError
     from testnet.bench import trainer as bench
 
-    bench.main(device=device, quick=quick, d_model=d_model, layers=layers, heads=heads,
-               context=context, batch=batch, steps=steps, rounds=rounds, compile_=compile_,
-               threads=threads, peak_tflops=peak_tflops)
+    try:
+        bench.main(device=device, quick=quick, d_model=d_model, layers=layers, heads=heads,
+                   context=context, batch=batch, steps=steps, rounds=rounds,
+                   compile_=compile_, threads=threads, peak_tflops=peak_tflops)
+    except (ConfigError, dev.DeviceError) as e:  # heads not dividing d_model, no such GPU
+        raise fail(str(e), 2) from None
 
 
 @app.command()

@@ -29,3 +29,15 @@ def test_peaks_for_mfu():
     # 86M model at context 1024: issue 29's 457k tokens/s was 29% MFU on the H100
     fpt = bench.flops_per_token(85_956_096, 12, 768, 1024)
     assert fpt * 457e3 / 989.4e12 == pytest.approx(0.29, abs=0.005)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--d-model", "30", "--heads", "4"], "error: d_model (30) must be a multiple of n_heads"),
+    (["--device", "tpu"], "error: unknown device 'tpu'"),
+])
+def test_bad_shapes_and_devices_are_one_line_errors(args, says):
+    from tests.conftest import run_cli
+
+    r = run_cli("bench", "trainer", "--device", "cpu", "--no-compile", *args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(says) and len(r.stderr.strip().splitlines()) == 1, r.stderr
