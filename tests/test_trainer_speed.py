@@ -303,3 +303,28 @@ def test_a_cpu_trainer_imports_no_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+# -- what the training service shows ----------------------------------------------------------
+
+
+async def test_the_service_shows_the_newest_loss_read_back():
+    """With read-backs every 4 steps, `node status`'s loss is a real one (that of the last
+    step read back), and a NaN step still stops the node's training with TrainingDiverged."""
+    import trio
+
+    from node.training.service import TrainingService
+
+    trainer = Trainer(DigitsMLPTask(), _config(fused=True, sync_every=4))
+    service = TrainingService(lambda: (trainer, None, 5), None, max_steps=7)
+    with trio.fail_after(60):
+        await service.run()
+    assert service.stats.step == 7 and trainer.measured == 4
+    assert service.stats.loss == trainer.last_loss and math.isfinite(service.stats.loss)
+
+    diverging = Trainer(NaNAt(bad=6), _config(fused=True, sync_every=4))
+    service = TrainingService(lambda: (diverging, None, 5), None, max_steps=20)
+    with trio.fail_after(60), pytest.raises(TrainingDiverged) as info:
+        await service.run()
+    assert info.value.step == 6 and diverging.step_count == 5
+    assert service.stats.phase == "failed" and service.stats.step == 7
