@@ -93,7 +93,9 @@ def shortfall(est: MemoryEstimate, free_bytes: int, device: str, batch: int) -> 
                 "pipeline stages (a smaller model per peer), or --device cpu")
     return (f"training needs about {_size(est.total)} on {device} but {_size(free_bytes)} "
             f"are free (weights {_size(est.weights)}, gradients {_size(est.gradients)}, AdamW "
-            f"{_size(est.optimizer)}, activations for batch {batch} {_size(est.activations)}, "
+            f"{_size(est.optimizer)}, "
+            + (f"bf16 weight copies {_size(est.weight_copies)}, " if est.weight_copies else "")
+            + f"activations for batch {batch} {_size(est.activations)}, "
             f"+{HEADROOM:.0%}); {hint}")
 
 
