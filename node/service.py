@@ -39,8 +39,11 @@ if TYPE_CHECKING:
 
 
 class Service(Protocol):
-    name: str  # its key in `node status`
-    protocols: tuple[str, ...]  # stream protocol ids it serves (gossip topics aside)
+    @property
+    def name(self) -> str: ...  # its key in `node status` (a class attribute will do)
+
+    @property
+    def protocols(self) -> tuple[str, ...]: ...  # stream protocol ids served (not gossip)
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
