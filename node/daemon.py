@@ -183,7 +183,8 @@ class Node:
 
     def _bootstrap_services(self, runs: list[str]) -> list[Service]:
         """Relay the runs' gossip and list their peers; train nothing."""
-        return [HeartbeatService(runs, publish=False, interval_s=self.config.heartbeat_s),
+        return [HeartbeatService(runs, publish=False, interval_s=self.config.heartbeat_s,
+                                 target_inbound_per_s=self.config.heartbeat_target_per_s),
                 PeerRecordService(self.config.reprovide_s)]
 
     async def _join(self, run_id: str, nursery: trio.Nursery) -> list[Service]:
@@ -211,7 +212,8 @@ class Node:
         rundoc = RunDocSync(first_peers=[self.manifests.source] if self.manifests.source
                             else [])
         services: list[Service] = [
-            HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s),
+            HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s,
+                             target_inbound_per_s=config.heartbeat_target_per_s),
             rundoc,
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, self._peers_to_remember),

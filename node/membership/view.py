@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from p2p.peerbook import PeerBook, PeerEntry
-from protocols.heartbeat import Heartbeat
+from protocols.heartbeat import Heartbeat, liveness_ttl_s
 from protocols.rundoc import RunDocument
 
 #: How long a run-document member's addresses stay worth dialing after its last entry.
@@ -34,7 +34,9 @@ def now_ms() -> int:
 class Membership:
     def __init__(self, me: str, ttl_s: float) -> None:
         self.me = me
-        self.book = PeerBook(ttl=ttl_s)
+        # 65,536: a run of 10,000 (issue 30) must not evict live peers; departed ones
+        # are expired (HeartbeatService.view_size)
+        self.book = PeerBook(ttl=ttl_s, max_peers=65_536)
         self.document: RunDocument | None = None  # attached when the run is known
         self.started = time.monotonic()
         self.first_peer_after_s: float | None = None
@@ -43,10 +45,12 @@ class Membership:
     # -- writes ---------------------------------------------------------------------------
 
     def heard(self, beat: Heartbeat, now: float | None = None,
-              wall: float | None = None) -> bool:
+              wall: float | None = None, own_interval_s: float = 0.0) -> bool:
         """Record a verified heartbeat; True when the peer is new to the view. A heartbeat
         no newer than the last one taken from its peer (gossip delivered it late) is
-        counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py)."""
+        counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py). The
+        peer stays live for `liveness_ttl_s` of the interval it announced (at least the
+        view's ttl): in a large run heartbeats are minutes apart."""
         now = time.monotonic() if now is None else now
         entry = self.book.get(beat.peer)
         if entry is not None and tuple(entry.info.get("order", (-1, -1))) >= beat.order:
@@ -62,7 +66,8 @@ class Membership:
             # our clock minus its, plus gossip's delay (a hostile t moves the median by one
             # rank at most; NaN or inf would have broken it)
             info["offset"] = (time.time() if wall is None else wall) - t
-        self.book.seen(beat.peer, now, list(beat.addrs), info)
+        ttl = liveness_ttl_s(beat.interval_ms / 1000, self.book.ttl, own_interval_s)
+        self.book.seen(beat.peer, now, list(beat.addrs), info, ttl=ttl)
         return new
 
     def attach(self, document: RunDocument) -> None:
