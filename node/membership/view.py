@@ -41,6 +41,9 @@ class Membership:
         self.started = time.monotonic()
         self.first_peer_after_s: float | None = None
         self.stale_heartbeats = 0  # late gossip, older than what the view holds
+        # How often members rewrite their run-document entries now (RunDocSync sets it):
+        # a member is listed while its last_seen is within a few of these.
+        self.announce_interval_s = 2.0
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -113,17 +116,20 @@ class Membership:
         return max((s for s in steps if isinstance(s, int)), default=0)
 
     def documented(self, ttl_s: float) -> dict[str, dict[str, Any]]:
-        """Run-document members with a `last_seen` within `ttl_s`: id -> own entries."""
+        """Run-document members with a `last_seen` within `ttl_s`: id -> own entries. One
+        pass over the `peer/` entries (not one scan per member: 10,000 members would make
+        that 10,000 sorts of the whole document, every redial tick)."""
         doc = self.document
         if doc is None:
             return {}
-        out = {}
-        for peer, wall_ms in doc.members(now_ms(), int(ttl_s * 1000)).items():
-            prefix = f"peer/{peer}/"
-            info = {k[len(prefix):]: v for k, v in doc.items(prefix)
-                    if "/" not in k[len(prefix):]}  # not peer/<id>/ckpt/<cid>
-            info["last_seen_ms"] = wall_ms
-            out[peer] = info
+        members = doc.members(now_ms(), int(ttl_s * 1000))
+        out: dict[str, dict[str, Any]] = {p: {} for p in members}
+        for key, value in doc.items("peer/"):
+            parts = key.split("/", 2)
+            if len(parts) == 3 and parts[1] in out and "/" not in parts[2]:
+                out[parts[1]][parts[2]] = value  # not peer/<id>/ckpt/<cid>
+        for peer, wall_ms in members.items():
+            out[peer]["last_seen_ms"] = wall_ms
         return out
 
     def addresses(self) -> dict[str, list[str]]:
@@ -140,8 +146,14 @@ class Membership:
         out.pop(self.me, None)
         return out
 
-    def statistics(self, members_ttl_s: float = MEMBER_TTL_S) -> dict[str, Any]:
+    def members_ttl_s(self) -> float:
+        """How old a member's last_seen may be for it to be listed: three announces and
+        some gossip delay (MEMBER_TTL_S at the small-run 2 s)."""
+        return max(MEMBER_TTL_S, 4 * self.announce_interval_s)
+
+    def statistics(self, members_ttl_s: float | None = None) -> dict[str, Any]:
         now, wall = time.monotonic(), now_ms()
+        members_ttl_s = self.members_ttl_s() if members_ttl_s is None else members_ttl_s
         return {
             "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
                        "addrs": e.addrs, **{k: v for k, v in e.info.items()
