@@ -95,7 +95,9 @@ class Node:
             checkpoints=CheckpointStore(config.state_dir),
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
-        self.redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses)
+        self.redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses,
+                                 want_peers=config.want_peers, max_peers=config.max_peers,
+                                 live=self.ctx.membership.live_peers)
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
         self._checkpoints: Any = None  # a trainer's CheckpointService, built at the join
@@ -210,7 +212,7 @@ class Node:
         ctx.device = config.device  # what was asked ("auto"), until torch says what it is
         ctx.run = RunContext(run_id, manifest, document, TrainingStats())
         rundoc = RunDocSync(first_peers=[self.manifests.source] if self.manifests.source
-                            else [])
+                            else [], gc_horizon_s=config.rundoc_horizon_s)
         services: list[Service] = [
             HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s,
                              target_inbound_per_s=config.heartbeat_target_per_s),
