@@ -44,7 +44,8 @@ class NodeConfig:
     join_timeout_s: float = 30.0
     reprovide_s: float = 30.0
     # Run members the redialer keeps connected (more are accepted, up to max_peers; past
-    # that the idle ones are closed): node/membership/redial.py.
+    # that the oldest unprotected ones are closed; a bootstrap closes none):
+    # node/membership/redial.py.
     want_peers: int = 8
     max_peers: int = 32
     # A departed peer's run-document entries, and tombstones, are compacted this long after

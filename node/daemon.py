@@ -96,7 +96,9 @@ class Node:
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
         self.redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses,
-                                 want_peers=config.want_peers, max_peers=config.max_peers,
+                                 want_peers=config.want_peers,
+                                 # a bootstrap is where everybody meets: it trims nobody
+                                 max_peers=config.max_peers if config.run_id else 1 << 30,
                                  live=self.ctx.membership.live_peers)
         self.mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.bootstrap_reached: list[str] = []  # addresses that answered at start
