@@ -241,7 +241,7 @@ class RunDocument:
         self.max_entries, self.max_value_bytes = max_entries, max_value_bytes
         self.max_delta_bytes = max_delta_bytes
         self.hlc = HLC(signer.peer_id, max_drift_ms)
-        self.floor_ms = 0  # GC horizon: unknown keys with older stamps are refused
+        self.floor_ms = 0  # GC horizon: unknown peer/ keys with older stamps are refused
         self._entries: dict[str, Entry] = {}
 
     # -- local writes: each returns the delta to gossip -------------------------------------
@@ -340,7 +340,7 @@ class RunDocument:
             return f"stamp {e.hlc.wall_ms - now_ms} ms in the future"
         old = self._entries.get(e.key)
         if old is None:
-            if e.hlc.wall_ms < self.floor_ms:
+            if e.hlc.wall_ms < self.floor_ms and e.key.startswith("peer/"):
                 return "older than the GC horizon for an unknown key"
             if len(self._entries) >= self.max_entries:
                 return f"document full ({self.max_entries} entries)"
@@ -472,24 +472,71 @@ class RunDocument:
         return doc
 
     def gc(self, now_ms: int, horizon_ms: int) -> int:
-        """Forget tombstones, and every peer/<id>/ entry of peers silent, for > horizon_ms;
-        from now on refuse entries that old for keys we have no record of. Returns the count."""
-        cutoff = now_ms - horizon_ms
-        newest: dict[str, int] = {}
-        for key, e in self._entries.items():
-            if key.startswith("peer/"):
-                pid = key.split("/")[1]
-                newest[pid] = max(newest.get(pid, e.hlc.wall_ms), e.hlc.wall_ms)
-        drop = [
-            k
-            for k, e in self._entries.items()
-            if (e.tombstone and e.hlc.wall_ms < cutoff)
-            or (k.startswith("peer/") and newest[k.split("/")[1]] < cutoff)
-        ]
+        """Forget what `compactable` names (the whole `peer/<id>/` namespace of peers silent
+        for > horizon_ms, old `peer/` tombstones); from now on refuse `peer/` entries that
+        old for keys we have no record of. Returns the count."""
+        drop = compactable(self._entries.values(), now_ms, horizon_ms)
         for key in drop:
             del self._entries[key]
-        self.floor_ms = max(self.floor_ms, cutoff)
+        self.floor_ms = max(self.floor_ms, now_ms - horizon_ms)
         return len(drop)
+
+    def stale_own(self, now_ms: int, older_than_ms: int) -> list[Entry]:
+        """Our own live `peer/<us>/` entries stamped more than `older_than_ms` ago: the
+        ones to re-sign (`refresh`) so that no live entry of ours falls under a replica's
+        compaction floor (pass half the horizon or less)."""
+        prefix = f"peer/{self.signer.peer_id}/"
+        return [e for e in self.entries(prefix)
+                if not e.tombstone and e.hlc.wall_ms < now_ms - older_than_ms]
+
+    def refresh(self, now_ms: int, older_than_ms: int) -> bytes | None:
+        """Re-sign `stale_own` entries with their values unchanged and a fresh stamp; the
+        delta to gossip, or None when none is stale."""
+        stale = self.stale_own(now_ms, older_than_ms)
+        for e in stale:
+            self._write(e.key, e.value, False, now_ms)
+        return self.encode_delta([self._entries[e.key] for e in stale]) if stale else None
+
+    def caught_up(self, summary: bytes, mine: str) -> bool:
+        """True when every bucket where `summary` (a peer's, after we merged its answer)
+        differs from ours holds a key under `mine` (our own namespace, which the peer may
+        lack until it merges our answer): we hold everything the peer summarized. A
+        capped answer (a document over max_delta_bytes) leaves other buckets unequal."""
+        sparse = self._envelope(summary, 64 + len(self.run_id) + 10 * BUCKETS, 3, "summary")[2]
+        if not isinstance(sparse, bytes) or len(sparse) % 10:
+            raise RemoteProtocolError("summary buckets malformed")
+        theirs = {int.from_bytes(sparse[j:j + 2]): int.from_bytes(sparse[j + 2:j + 10])
+                  for j in range(0, len(sparse), 10)}
+        ours = self._buckets()
+        differ = {i for i in range(BUCKETS) if ours[i] != theirs.get(i, 0)}
+        own = {_bucket(k) for k in self._entries if k.startswith(mine)}
+        return differ <= own
+
+
+def compactable(entries: Iterable[Entry], now_ms: int, horizon_ms: int) -> list[str]:
+    """The compaction rule (pure; the simulator calls it too): with cutoff = now_ms -
+    horizon_ms, the keys of
+    * every `peer/<id>/...` entry, live or not, of a peer whose newest `peer/<id>/` stamp
+      is before the cutoff: a peer silent that long has left (a crashed one never deletes
+      its keys, and nobody else may);
+    * `peer/<id>/...` tombstones stamped before the cutoff.
+    Only `peer/` keys: the run's own keys (run/, stage/, ckpt/) are written by admins or
+    content-addressed, few, and kept with their tombstones, so an old one is never refused
+    and never comes back. A function of the entries' signed stamps only, so replicas
+    holding the same entries drop the same keys; each does so when its own clock passes
+    the cutoff and refuses unknown `peer/` keys older than it afterwards (`floor_ms`), so
+    a replica that has not compacted yet cannot bring them back. A live peer re-signs its
+    own entries before they are half a horizon old (`stale_own`), so none of a live
+    peer's entries is ever under anybody's floor. Sorted, for a deterministic order."""
+    cutoff = now_ms - horizon_ms
+    peers = [e for e in entries if e.key.startswith("peer/")]
+    newest: dict[str, int] = {}
+    for e in peers:
+        pid = e.key.split("/")[1]
+        newest[pid] = max(newest.get(pid, e.hlc.wall_ms), e.hlc.wall_ms)
+    return sorted(e.key for e in peers
+                  if e.hlc.wall_ms < cutoff and (e.tombstone
+                                                 or newest[e.key.split("/")[1]] < cutoff))
 
 
 def _unpack(data: bytes, what: str) -> Any:

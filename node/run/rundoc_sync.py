@@ -12,7 +12,12 @@
       responder -> meta.delta   {delta: what the initiator lacks, summary: responder's}
       initiator -> meta.delta   {delta: what the responder lacks}
 * The replica is saved atomically in the state directory every `persist_s` and at exit,
-  and reloaded (every entry re-verified) on start.
+  and reloaded (every entry re-verified) on start. Before each save it is compacted
+  (`compact`: departed peers' namespaces and old tombstones, protocols/rundoc.py
+  `compactable`), but a fresh replica only once it has caught up with a peer: its first
+  compaction raises the floor under which unknown keys are refused, and a joiner that
+  raised it before holding the swarm's older entries (a stage plan, checkpoint entries)
+  would refuse them for good and differ from everybody (docs/rundoc.md).
 Merges that reject entries (bad signature, another peer's namespace, not an admin) are
 logged with the reason; the document is unchanged by them.
 """
@@ -102,6 +107,10 @@ class RunDocSync:
         self.announce_s, self.anti_entropy_s = announce_s, anti_entropy_s
         self.announce_target_per_s = announce_target_per_s
         self.compacted = 0  # entries dropped by gc (departed peers', old tombstones)
+        # Set when an anti-entropy answer left us holding everything its peer summarized:
+        # from then on a fresh replica may compact (raise its floor).
+        self.caught_up = trio.Event()
+        self.started = time.monotonic()
         self.persist_s, self.gc_horizon_ms = persist_s, int(gc_horizon_s * 1000)
         self.rejected = 0
         self.syncs = 0
@@ -192,6 +201,11 @@ class RunDocSync:
             # written, and anti-entropy repairs what gossip lost.
             entries = [e for key in own if (e := self.doc.entry(key)) is not None]
             self.publisher.publish_nowait(topic(self.run_id), self.doc.encode_delta(entries))
+            # Own entries written once (checkpoint announcements) are re-signed before a
+            # quarter of the horizon: a live peer's entry is then never under a replica's
+            # compaction floor, where a replica that missed it would refuse it for good.
+            if (refreshed := self.doc.refresh(t, self.horizon_ms() // 4)) is not None:
+                self.publisher.publish_nowait(topic(self.run_id), refreshed)
             interval = self.announce_interval_s()
             assert self._ctx is not None
             self._ctx.membership.announce_interval_s = interval  # members' ttl follows it
@@ -295,6 +309,9 @@ class RunDocSync:
                 max_frame_bytes=MAX_FRAME))
             reply = _expect(await next_event(stream, decoder), "meta.delta")
             self._merge(reply["delta"], peer)
+            if not self.caught_up.is_set() and self.doc.caught_up(
+                    reply["summary"], f"peer/{self.signer.peer_id}/"):
+                self.caught_up.set()
             await stream.write(encode_envelope(
                 Envelope("meta.delta", 1, {"delta": self.doc.delta_since(reply["summary"])}),
                 max_frame_bytes=MAX_FRAME))
@@ -315,13 +332,39 @@ class RunDocSync:
         finally:
             await stream.close()
 
-    # -- persistence --------------------------------------------------------------------------
+    # -- persistence and compaction -----------------------------------------------------------
+
+    def horizon_ms(self) -> int:
+        """The compaction horizon: the configured one, but never under 10 announce
+        intervals (a live peer rewrites its last_seen every interval; a horizon shorter
+        than that would drop a live peer's namespace, and refuse its older keys after)."""
+        return max(self.gc_horizon_ms, int(10_000 * self.announce_interval_s()))
+
+    def may_compact(self, now: float | None = None) -> bool:
+        """A replica with a floor already (it compacted before a restart), one caught up
+        with a peer, or one that found nobody to catch up with for a quarter of the
+        horizon (a run's first node) may compact."""
+        now = time.monotonic() if now is None else now
+        return (self.doc.floor_ms > 0 or self.caught_up.is_set()
+                or now - self.started >= self.gc_horizon_ms / 4000)
+
+    def compact(self, now: int) -> int:
+        """Drop what the compaction rule names, if this replica may; returns the count."""
+        if not self.may_compact():
+            return 0
+        dropped = self.doc.gc(now, self.horizon_ms())
+        if dropped:
+            log.info("run document: compacted %d entries (departed peers, old tombstones)",
+                     dropped)
+        self.compacted += dropped
+        return dropped
+
 
     async def _persist_loop(self) -> None:
         try:
             await trio.sleep(2.0)  # a first save soon after joining, then every persist_s
             while True:
-                self.doc.gc(now_ms(), self.gc_horizon_ms)
+                self.compact(now_ms())
                 await trio.to_thread.run_sync(atomic_write, self.path, self.doc.to_bytes())
                 await trio.sleep(self.persist_s)
         finally:
