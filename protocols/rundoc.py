@@ -197,6 +197,26 @@ def checkpoint_index(doc: RunDocument) -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+def checkpoint_holders(doc: RunDocument, cid: str) -> tuple[list[str], str | None]:
+    """(the peers announcing checkpoint `cid` under their own namespace, sorted; its
+    writer). A peer that pulled a checkpoint announces it too, naming its `writer` in the
+    value; the writer is the announcer that names none (or itself), else the writer the
+    holders name (None if none is listed)."""
+    holders, named = [], []
+    for e in doc.entries("peer/"):
+        parts = e.key.split("/")
+        if e.tombstone or len(parts) != 4 or parts[2] != "ckpt" or parts[3] != cid:
+            continue
+        holders.append(parts[1])
+        value = e.value
+        claimed = value.get("writer") if isinstance(value, dict) else None
+        if claimed in (None, parts[1]):
+            named.insert(0, parts[1])
+        elif isinstance(claimed, str):
+            named.append(claimed)
+    return sorted(holders), (named[0] if named else None)
+
+
 @dataclass(slots=True)
 class MergeResult:
     applied: list[str] = field(default_factory=list)  # keys whose value changed
