@@ -58,7 +58,7 @@ def heartbeat_interval_s(view_size: int, base_s: float = 1.0,
                          target_inbound_per_s: float = TARGET_INBOUND_PER_S) -> float:
     """Seconds between a node's heartbeats when its view holds `view_size` peers (itself
     included): `max(base_s, view_size / target_inbound_per_s)`. If every node follows it,
-    each receives at most max(N / base_s, target) heartbeats per second; at N = 10,000 and
+    each receives min(N / base_s, target) heartbeats per second; at N = 10,000 and
     the default target that is one heartbeat every 200 s per peer."""
     if not base_s > 0 or not target_inbound_per_s > 0:
         raise ValueError("base_s and target_inbound_per_s must be positive")
@@ -81,10 +81,11 @@ class InboundLimiter:
 
     Per peer, a token bucket refilled at `slack / heartbeat_interval_s(view_size, ...)` (a
     peer following the policy uses half of it) holding at most `burst`; across all peers,
-    one bucket refilled at `slack * max(target_inbound_per_s, view_size / base_s)` per
-    second holding one second of it. Accepted heartbeats over any window of t seconds are
-    then at most slack * max(target, N / base_s) * t + that second's worth: new identities
-    cannot get past the global bucket. `admit` says whether one heartbeat is taken."""
+    one bucket refilled at `slack * target_inbound_per_s` per second holding one second of
+    it (honest peers send min(N / base_s, target) a second together). Accepted heartbeats
+    over any window of t seconds are then at most slack * target * (t + 1), whatever N:
+    new identities cannot get past the global bucket. `admit` says whether one heartbeat
+    is taken."""
 
     def __init__(self, base_s: float = 1.0, target_inbound_per_s: float = TARGET_INBOUND_PER_S,
                  *, slack: float = SLACK, burst: float = BURST, max_peers: int = 65_536) -> None:
@@ -95,9 +96,10 @@ class InboundLimiter:
         self._all: tuple[float, float] | None = None
         self.dropped = 0
 
-    def global_rate(self, view_size: int) -> float:
-        """Heartbeats per second let through from all peers together."""
-        return self.slack * max(self.target, max(1, view_size) / self.base_s)
+    def global_rate(self, view_size: int = 0) -> float:
+        """Heartbeats per second let through from all peers together (whatever the view
+        size: the bound is a constant)."""
+        return self.slack * self.target
 
     def admit(self, peer: str, now: float, view_size: int) -> bool:
         rate = self.slack / heartbeat_interval_s(view_size, self.base_s, self.target)
