@@ -360,7 +360,7 @@ class RunDocument:
             return f"stamp {e.hlc.wall_ms - now_ms} ms in the future"
         old = self._entries.get(e.key)
         if old is None:
-            if e.hlc.wall_ms < self.floor_ms and e.key.startswith("peer/"):
+            if e.hlc.wall_ms < self.floor_ms and owner_of(e.key) is not None:
                 return "older than the GC horizon for an unknown key"
             if len(self._entries) >= self.max_entries:
                 return f"document full ({self.max_entries} entries)"
@@ -492,8 +492,8 @@ class RunDocument:
         return doc
 
     def gc(self, now_ms: int, horizon_ms: int) -> int:
-        """Forget what `compactable` names (the whole `peer/<id>/` namespace of peers silent
-        for > horizon_ms, old `peer/` tombstones); from now on refuse `peer/` entries that
+        """Forget what `compactable` names (every key owned by a peer silent for >
+        horizon_ms, old tombstones of owned keys); from now on refuse owned entries that
         old for keys we have no record of. Returns the count."""
         drop = compactable(self._entries.values(), now_ms, horizon_ms)
         for key in drop:
@@ -502,12 +502,13 @@ class RunDocument:
         return len(drop)
 
     def stale_own(self, now_ms: int, older_than_ms: int) -> list[Entry]:
-        """Our own live `peer/<us>/` entries stamped more than `older_than_ms` ago: the
-        ones to re-sign (`refresh`) so that no live entry of ours falls under a replica's
-        compaction floor (pass half the horizon or less)."""
-        prefix = f"peer/{self.signer.peer_id}/"
-        return [e for e in self.entries(prefix)
-                if not e.tombstone and e.hlc.wall_ms < now_ms - older_than_ms]
+        """Our own live entries (`owner_of` is us) stamped more than `older_than_ms` ago:
+        the ones to re-sign (`refresh`) so that no live entry of ours falls under a
+        replica's compaction floor (pass half the horizon or less). In key order."""
+        me = self.signer.peer_id
+        return sorted((e for e in self._entries.values() if not e.tombstone
+                       and e.hlc.wall_ms < now_ms - older_than_ms and owner_of(e.key) == me),
+                      key=lambda e: e.key)
 
     def refresh(self, now_ms: int, older_than_ms: int) -> bytes | None:
         """Re-sign `stale_own` entries with their values unchanged and a fresh stamp; the
@@ -517,11 +518,11 @@ class RunDocument:
             self._write(e.key, e.value, False, now_ms)
         return self.encode_delta([self._entries[e.key] for e in stale]) if stale else None
 
-    def caught_up(self, summary: bytes, mine: str) -> bool:
+    def caught_up(self, summary: bytes) -> bool:
         """True when every bucket where `summary` (a peer's, after we merged its answer)
-        differs from ours holds a key under `mine` (our own namespace, which the peer may
-        lack until it merges our answer): we hold everything the peer summarized. A
-        capped answer (a document over max_delta_bytes) leaves other buckets unequal."""
+        differs from ours holds a key of our own (`owner_of`: which the peer may lack until
+        it merges our answer): we hold everything the peer summarized. A capped answer (a
+        document over max_delta_bytes) leaves other buckets unequal."""
         sparse = self._envelope(summary, 64 + len(self.run_id) + 10 * BUCKETS, 3, "summary")[2]
         if not isinstance(sparse, bytes) or len(sparse) % 10:
             raise RemoteProtocolError("summary buckets malformed")
@@ -529,34 +530,45 @@ class RunDocument:
                   for j in range(0, len(sparse), 10)}
         ours = self._buckets()
         differ = {i for i in range(BUCKETS) if ours[i] != theirs.get(i, 0)}
-        own = {_bucket(k) for k in self._entries if k.startswith(mine)}
+        me = self.signer.peer_id
+        own = {_bucket(k) for k in self._entries if owner_of(k) == me}
         return differ <= own
+
+
+def owner_of(key: str) -> str | None:
+    """The peer whose own key this is (`peer/<id>/...`, `stage/<n>/<id>`: only it may
+    write it), or None for the run's keys (run/, stage/<n>, ckpt/). Compaction goes by it."""
+    parts = key.split("/")
+    if parts[0] == "peer" and len(parts) >= 3:
+        return parts[1]
+    if parts[0] == "stage" and len(parts) == 3:
+        return parts[2]
+    return None
 
 
 def compactable(entries: Iterable[Entry], now_ms: int, horizon_ms: int) -> list[str]:
     """The compaction rule (pure; the simulator calls it too): with cutoff = now_ms -
     horizon_ms, the keys of
-    * every `peer/<id>/...` entry, live or not, of a peer whose newest `peer/<id>/` stamp
-      is before the cutoff: a peer silent that long has left (a crashed one never deletes
-      its keys, and nobody else may);
-    * `peer/<id>/...` tombstones stamped before the cutoff.
-    Only `peer/` keys: the run's own keys (run/, stage/, ckpt/) are written by admins or
+    * every entry, live or not, owned by a peer (`owner_of`: its `peer/<id>/...` keys and
+      its `stage/<n>/<id>` claims) whose newest owned stamp is before the cutoff: a peer
+      silent that long has left (a crashed one never deletes its keys, and nobody else
+      may);
+    * tombstones of owned keys stamped before the cutoff.
+    Only owned keys: the run's own keys (run/, stage/<n>, ckpt/) are written by admins or
     content-addressed, few, and kept with their tombstones, so an old one is never refused
     and never comes back. A function of the entries' signed stamps only, so replicas
     holding the same entries drop the same keys; each does so when its own clock passes
-    the cutoff and refuses unknown `peer/` keys older than it afterwards (`floor_ms`), so
-    a replica that has not compacted yet cannot bring them back. A live peer re-signs its
-    own entries before they are half a horizon old (`stale_own`), so none of a live
+    the cutoff and refuses unknown owned keys older than it afterwards (`floor_ms`), so a
+    replica that has not compacted yet cannot bring them back. A live peer re-signs its
+    own entries before they are a quarter of a horizon old (`refresh`), so none of a live
     peer's entries is ever under anybody's floor. Sorted, for a deterministic order."""
     cutoff = now_ms - horizon_ms
-    peers = [e for e in entries if e.key.startswith("peer/")]
+    owned = [(e, o) for e in entries if (o := owner_of(e.key)) is not None]
     newest: dict[str, int] = {}
-    for e in peers:
-        pid = e.key.split("/")[1]
-        newest[pid] = max(newest.get(pid, e.hlc.wall_ms), e.hlc.wall_ms)
-    return sorted(e.key for e in peers
-                  if e.hlc.wall_ms < cutoff and (e.tombstone
-                                                 or newest[e.key.split("/")[1]] < cutoff))
+    for e, o in owned:
+        newest[o] = max(newest.get(o, e.hlc.wall_ms), e.hlc.wall_ms)
+    return sorted(e.key for e, o in owned
+                  if e.hlc.wall_ms < cutoff and (e.tombstone or newest[o] < cutoff))
 
 
 def _unpack(data: bytes, what: str) -> Any:

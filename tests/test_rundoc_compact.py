@@ -102,20 +102,42 @@ def test_replicas_that_compact_at_different_times_converge(seed):
     assert compactable(replicas[0].entries(), end, horizon) == []
 
 
+def test_a_departed_peers_stage_claims_go_with_it_and_the_admins_plan_stays():
+    d = doc(0)
+    gone, alive = SIGNERS[1], SIGNERS[2]
+    d.set("stage/1", {"layers": [0, 1]}, T0)
+    d.merge(doc(1).set(f"stage/1/{gone.peer_id}", 1, T0), T0)
+    d.merge(doc(1).set(f"peer/{gone.peer_id}/last_seen", 1, T0), T0)
+    d.merge(doc(2).set(f"stage/1/{alive.peer_id}", 1, T0), T0)
+    d.merge(doc(2).set(f"peer/{alive.peer_id}/last_seen", 1, T0 + 50_000), T0 + 50_000)
+    assert compactable(d.entries(), T0 + 60_000, 30_000) == sorted(
+        [f"stage/1/{gone.peer_id}", f"peer/{gone.peer_id}/last_seen"])
+    d.gc(T0 + 60_000, 30_000)
+    # the departed claim is refused when a stale replica sends it back
+    stale = doc(3)
+    stale.merge(doc(1).set(f"stage/1/{gone.peer_id}", 1, T0), T0)
+    result = d.merge(stale.delta_since(EMPTY), T0 + 60_000)
+    assert result.rejected == [(f"stage/1/{gone.peer_id}",
+                                "older than the GC horizon for an unknown key")]
+    assert d.get("stage/1") == {"layers": [0, 1]}
+
+
 def test_refresh_re_signs_only_our_own_old_live_entries():
     d = doc(1)
     me = SIGNERS[1].peer_id
     d.set(f"peer/{me}/ckpt/c1", {"hash": "c1"}, T0)
     d.set(f"peer/{me}/gone", 1, T0)
     d.delete(f"peer/{me}/gone", T0)
+    d.set(f"stage/2/{me}", 1, T0)
     d.set(f"peer/{me}/last_seen", 5, T0 + 9_000)
     d.merge(doc(2).set(f"peer/{SIGNERS[2].peer_id}/a", 1, T0), T0)
-    assert [e.key for e in d.stale_own(T0 + 10_000, 5_000)] == [f"peer/{me}/ckpt/c1"]
+    assert [e.key for e in d.stale_own(T0 + 10_000, 5_000)] == [f"peer/{me}/ckpt/c1",
+                                                                 f"stage/2/{me}"]
     delta = d.refresh(T0 + 10_000, 5_000)
     assert delta is not None and d.entry(f"peer/{me}/ckpt/c1").hlc.wall_ms == T0 + 10_000
     assert d.get(f"peer/{me}/ckpt/c1") == {"hash": "c1"}
     other = doc(3)
-    assert other.merge(delta, T0 + 10_000).applied == [f"peer/{me}/ckpt/c1"]
+    assert other.merge(delta, T0 + 10_000).applied == [f"peer/{me}/ckpt/c1", f"stage/2/{me}"]
     assert d.refresh(T0 + 10_000, 5_000) is None
 
 
@@ -127,14 +149,14 @@ def test_caught_up_says_whether_an_answer_brought_everything():
     joiner.set(f"peer/{SIGNERS[3].peer_id}/addrs", ["/a"], T0)  # ours, which big lacks
     reply = big.delta_since(joiner.summary())
     joiner.merge(reply, T0)
-    assert joiner.caught_up(big.summary(), f"peer/{SIGNERS[3].peer_id}/")
+    assert joiner.caught_up(big.summary())
     # a capped answer (one bucket at a time) leaves the other buckets unequal
     small = doc(4, max_delta_bytes=2_000)
     for e in big.entries():
         small.merge(big.encode_delta([e]), T0)
     late = doc(5)
     late.merge(small.delta_since(late.summary()), T0)
-    assert not late.caught_up(small.summary(), f"peer/{SIGNERS[5].peer_id}/")
+    assert not late.caught_up(small.summary())
 
 
 def fresh_sync(d: RunDocument, *, horizon_s: float = 3600.0) -> RunDocSync:
@@ -160,7 +182,7 @@ def test_a_fresh_replica_compacts_only_after_catching_up_and_then_keeps_old_entr
     assert not s.may_compact() and s.compact(now) == 0 and joiner.floor_ms == 0
     reply = swarm.delta_since(joiner.summary())
     joiner.merge(reply, now)
-    assert joiner.caught_up(swarm.summary(), f"peer/{SIGNERS[3].peer_id}/")
+    assert joiner.caught_up(swarm.summary())
     s.caught_up.set()  # what _sync_with does on that answer
     assert s.may_compact()
     s.compact(now)

@@ -309,8 +309,7 @@ class RunDocSync:
                 max_frame_bytes=MAX_FRAME))
             reply = _expect(await next_event(stream, decoder), "meta.delta")
             self._merge(reply["delta"], peer)
-            if not self.caught_up.is_set() and self.doc.caught_up(
-                    reply["summary"], f"peer/{self.signer.peer_id}/"):
+            if not self.caught_up.is_set() and self.doc.caught_up(reply["summary"]):
                 self.caught_up.set()
             await stream.write(encode_envelope(
                 Envelope("meta.delta", 1, {"delta": self.doc.delta_since(reply["summary"])}),
