@@ -161,9 +161,13 @@ class Redialer:
             del self._connected_since[p]
         for p in connected:
             self._connected_since.setdefault(p, now)
+        probe = now - self._last_probe >= self.probe_s
+        # The members' addresses are a pass over the run document (50,000 entries at N =
+        # 10,000): read only when a dial may follow.
+        wanted = len(connected) < self.want_peers or probe
         known = {
             p: a
-            for p, a in self.members().items()
+            for p, a in (self.members() if wanted else {}).items()
             if p != me
             and p not in connected
             and isinstance(a, list)
@@ -171,7 +175,6 @@ class Redialer:
             and all(isinstance(x, str) for x in a)
             and self._next_try.get(p, 0.0) <= now
         }
-        probe = now - self._last_probe >= self.probe_s
         young = {p for p, t in self._connected_since.items() if now - t < self.grace_s}
         dial, close = plan_connections(
             connected, known, want=self.want_peers, max_peers=self.max_peers, rng=self.rng,
