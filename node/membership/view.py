@@ -136,8 +136,11 @@ class Membership:
         """Where to dial each known peer: the run document's recent members, then the live
         peers' heartbeat addresses (newer, so they win)."""
         out: dict[str, list[str]] = {}
-        for peer, info in self.documented(REDIAL_HORIZON_S).items():
-            addrs = info.get("addrs")
+        doc = self.document
+        members = doc.members(now_ms(), int(REDIAL_HORIZON_S * 1000)) if doc else {}
+        for peer in members:  # only the addrs entries: N = 10,000 holds 50,000 entries
+            assert doc is not None
+            addrs = doc.get(f"peer/{peer}/addrs")
             if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
                 out[peer] = addrs
         for e in self.live():
