@@ -136,6 +136,7 @@ async def test_a_joiner_asks_a_few_of_many_holders_and_then_holds_it_too(tmp_pat
 
     from node.checkpoints.service import CheckpointService
     from node.service import Phases
+    from node.transport.transports import Transports
 
     kps = [create_new_key_pair() for _ in range(6)]
     signers = [keys.Signer(kp.private_key.to_bytes()[:32]) for kp in kps]
@@ -170,8 +171,8 @@ async def test_a_joiner_asks_a_few_of_many_holders_and_then_holds_it_too(tmp_pat
 
     service = CheckpointService(publish=published.append, synced=synced, vet=vet)
     ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me, open_stream=None,
-                          peer_id=me_signer.peer_id, path_of=lambda peer: "direct",
+                          phases=Phases(), substrate=me, transports=Transports(me),
+                          peer_id=me_signer.peer_id,
                           checkpoints=CheckpointStore(tmp_path / "me"))
     expected = choose_holders(cid, me_signer.peer_id, [s.peer_id for s in signers], SOURCES)
     async with trio.open_nursery() as nursery:
