@@ -92,7 +92,11 @@ class Node:
             checkpoints=CheckpointStore(config.state_dir),
             membership=Membership(signer.peer_id, ttl_s=config.peer_ttl_s))
         self.manifests = ManifestService()
-        redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses)
+        redialer = Redialer(substrate, config.bootstrap, self.ctx.membership.addresses,
+                            want_peers=config.want_peers,
+                            # a bootstrap is where everybody meets: it trims nobody
+                            max_peers=config.max_peers if config.run_id else 1 << 30,
+                            live=self.ctx.membership.live_peers)
         mdns = MdnsService(signer.peer_id, config.listen) if config.mdns else None
         self.entry = EntryPoints(self.ctx, redialer, mdns)
         self._prep: roles.TrainerPrep | None = None  # a data-parallel trainer's, at the join
@@ -200,7 +204,7 @@ class Node:
         ctx.device = config.device  # what was asked ("auto"), until torch says what it is
         ctx.run = RunContext(run_id, manifest, document, TrainingStats())
         rundoc = RunDocSync(first_peers=[self.manifests.source] if self.manifests.source
-                            else [])
+                            else [], gc_horizon_s=config.rundoc_horizon_s)
         services = roles.member_services(ctx, rundoc, self.entry.to_remember)
         if config.train:
             from node.training.build import check_swarm_algorithm

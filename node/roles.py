@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 def bootstrap_services(config: NodeConfig, runs: list[str]) -> list[Service]:
     """Relay the runs' gossip and list their peers; train nothing."""
-    return [HeartbeatService(runs, publish=False, interval_s=config.heartbeat_s),
+    return [HeartbeatService(runs, publish=False, interval_s=config.heartbeat_s,
+                             target_inbound_per_s=config.heartbeat_target_per_s),
             PeerRecordService(config.reprovide_s)]
 
 
@@ -49,7 +50,8 @@ def member_services(ctx: NodeContext, rundoc: RunDocSync,
     """What every member of a run runs: it is heard, it holds the run document, it can be
     found, and it remembers where the next join of its state directory starts."""
     config, run_id = ctx.config, ctx.the_run().run_id
-    return [HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s),
+    return [HeartbeatService([run_id], publish=True, interval_s=config.heartbeat_s,
+                             target_inbound_per_s=config.heartbeat_target_per_s),
             rundoc,
             PeerRecordService(config.reprovide_s),
             RememberPeers(config.state_dir, run_id, ctx.peer_id, remember)]

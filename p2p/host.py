@@ -404,6 +404,11 @@ class Substrate:
                 paths[peer.to_base58()] = "relayed via " + (relays[0] or "?")
         return paths
 
+    async def disconnect(self, peer: ID) -> None:
+        """Close every connection to `peer` (the redialer trims past its connection bound)."""
+        if self.host is not None:
+            await self.host.disconnect(peer)
+
     async def connect(self, addr: str, timeout: float = 10.0) -> ID:
         """Dial a peer multiaddr; raise DialError with the reason on failure."""
         if "/p2p-circuit" in addr:

@@ -157,7 +157,9 @@ def _status() -> dict:
                             "refused": {"slots_full": 2}},
                 "dht_operations": {"get": {**Timings().snapshot(), "failures": 1}}},
         "membership": {"peers": [{"peer_id": peer}], "members": [{"peer_id": peer}],
-                       "heartbeats_sent": 9, "rejected_heartbeats": 2},
+                       "heartbeats_sent": 9, "rejected_heartbeats": 2,
+                       "heartbeat_interval_s": 20.0, "inbound_heartbeats_per_s": 49.5,
+                       "throttled_heartbeats": 7},
         "training": {"step": 40, "round": 2, "loss": 2.5, "val_loss": 2.7, "lr": 1e-3,
                      "params": 1000, "compute_s": 9.0, "compute_fraction": 0.9,
                      "rounds_averaged": 2, "rounds_local": 1},
@@ -232,6 +234,9 @@ def test_collector_families_parse_with_prometheus_parser():
     assert value("peertrain_peers", path="direct") == 1
     assert value("peertrain_checkpoint_held_bytes") == 4096
     assert value("peertrain_inbound_slots_in_use") == 3
+    assert value("peertrain_heartbeat_interval_seconds") == 20.0
+    assert value("peertrain_heartbeats_inbound_per_second") == 49.5
+    assert value("peertrain_heartbeats_throttled", "peertrain_heartbeats_throttled_total") == 7
     assert value("peertrain_inbound_connections_refused",
                  "peertrain_inbound_connections_refused_total", reason="slots_full") == 2
 

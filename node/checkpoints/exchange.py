@@ -28,6 +28,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from node.checkpoints.holders import MAX_UPLOADS, UploadSlots
 from node.checkpoints.store import CheckpointError, CheckpointStore
 from node.service import NodeContext
 from node.transport.lane import LaneListener, LaneStream, connect_lane, listen_host
@@ -55,8 +56,11 @@ class CheckpointServer:
     protocols = (cx.PROTOCOL_ID,)
 
     def __init__(self, store: CheckpointStore, lane_host: str = "127.0.0.1",
-                 lanes: bool = True) -> None:
+                 lanes: bool = True, max_uploads: int = MAX_UPLOADS) -> None:
         self.store = store
+        # At most max_uploads askers served at once (a stream and a lane of one asker count
+        # once); the next is refused as busy and its pull moves to its other holders.
+        self.uploads = UploadSlots(max_uploads)
         self.lane_host, self.lanes = lane_host, lanes  # where lanes listen; offered at all?
         self.served = 0
         self.missing = 0
@@ -75,11 +79,15 @@ class CheckpointServer:
 
     def statistics(self) -> dict[str, Any]:
         return {"served": self.served, "not_held": self.missing,
+                "uploads": self.uploads.askers, "max_uploads": self.uploads.cap,
+                "refused_busy": self.uploads.refused,
                 "served_on_lanes": self.served_on_lanes, "lanes_open": self.lanes_open,
                 "lanes_refused": self.lanes_refused}
 
     async def handle(self, stream: INetStream) -> None:
         decoder = cx.REQUEST_LIMITS.decoder()
+        asker = _asker(stream)
+        slot = False  # one of the `uploads` slots, taken on the first request
         try:
             while True:
                 with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
@@ -90,6 +98,12 @@ class CheckpointServer:
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)
+                if not slot:
+                    if not self.uploads.acquire(asker):  # its pull asks its other holders
+                        await stream.write(cx.refuse(
+                            env, f"busy: serving {self.uploads.cap} askers", "busy"))
+                        return
+                    slot = True
                 if kind == "ckpt.lane":
                     await self._offer_lane(stream, env, cid)
                     return  # the session goes on on the lane, if at all
@@ -100,8 +114,9 @@ class CheckpointServer:
                     self.served += 1
                 await stream.write(cx.respond(env, data, index))
         finally:
+            if slot:
+                self.uploads.release(asker)
             await stream.close()
-
 
     async def _offer_lane(self, stream: INetStream, env: Envelope, cid: str) -> None:
         if not self.store.latest_ok(cid):
@@ -174,6 +189,12 @@ class CheckpointServer:
         errors = await _together(read_requests, send_chunks)
         if errors:
             raise errors[0]  # as one handler's error, for the guard to classify
+
+
+def _asker(stream: Any) -> str:
+    """The peer at the other end of `stream` (its id; a test's bare stream: its own id)."""
+    peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
+    return peer.to_base58() if peer is not None else f"stream-{id(stream)}"
 
 
 async def _together(*tasks: Callable[[], Any]) -> list[Exception]:
