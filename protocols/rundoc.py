@@ -202,7 +202,8 @@ def checkpoint_holders(doc: RunDocument, cid: str) -> tuple[list[str], str | Non
     writer). A peer that pulled a checkpoint announces it too, naming its `writer` in the
     value; the writer is the announcer that names none (or itself), else the writer the
     holders name (None if none is listed)."""
-    holders, named = [], []
+    holders: list[str] = []
+    named: list[str] = []
     for e in doc.entries("peer/"):
         parts = e.key.split("/")
         if e.tombstone or len(parts) != 4 or parts[2] != "ckpt" or parts[3] != cid:
@@ -429,7 +430,8 @@ class RunDocument:
         by_bucket: dict[int, list[Entry]] = {}
         for key in sorted(self._entries):
             by_bucket.setdefault(_bucket(key), []).append(self._entries[key])
-        mine, out, size = self._buckets(), [], 64 + len(self.run_id)
+        out: list[Entry] = []
+        mine, size = self._buckets(), 64 + len(self.run_id)
         for i in sorted(by_bucket):
             if mine[i] == theirs.get(i, 0):
                 continue

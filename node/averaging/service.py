@@ -31,7 +31,7 @@ from libp2p.peer.id import ID
 from node.averaging import adapt
 from node.training.rounds import Outcome
 from node.transport.lane import LaneListener, connect_lane, listen_host
-from node.transport.streams import close_quietly, pump, write_chunks
+from node.transport.streams import ByteStream, close_quietly, pump, write_chunks
 from node.transport.transports import Transports
 from p2p.host import Substrate
 from p2p.timing import Timings
@@ -449,7 +449,7 @@ class Averager:
 
     # -- both sides -----------------------------------------------------------------
 
-    async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any, partner: str,
+    async def _swap(self, stream: ByteStream, ex: av.Exchange, snapshot: Any, partner: str,
                     path: str) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         started = time.monotonic()
@@ -478,7 +478,7 @@ class Averager:
         st.last_codec = ex.codec
         return ex.received_vector()
 
-    async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
+    async def _next(self, stream: ByteStream, ex: av.Exchange) -> Any:
         return await pump(stream, ex.next_event, ex.receive_data, into=ex)
 
 

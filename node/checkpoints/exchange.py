@@ -295,8 +295,10 @@ class _Session:
                 return None  # busy: the stream carries the chunks
             raise
         assert self.stream is not None
-        host = self.stream.get_remote_address()[0]
-        return await connect_lane(host, port, key, timeout=LANE_CONNECT_S)
+        remote = self.stream.get_remote_address()
+        if remote is None:  # a data channel has no address to dial: the stream carries on
+            return None
+        return await connect_lane(remote[0], port, key, timeout=LANE_CONNECT_S)
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -536,6 +538,7 @@ async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid:
             async with to_store:
                 while not finished.is_set():
                     while len(inflight) < LANE_WINDOW:  # keep the provider busy
+                        index: int | None
                         try:
                             index = receive.receive_nowait()
                         except trio.WouldBlock:

@@ -62,7 +62,7 @@ class Membership:
         new = entry is None
         if self.first_peer_after_s is None and beat.role == "node":
             self.first_peer_after_s = now - self.started
-        info = {"role": beat.role, "device": beat.device, "stats": beat.stats,
+        info: dict[str, Any] = {"role": beat.role, "device": beat.device, "stats": beat.stats,
                 "order": beat.order}
         t = beat.stats.get("t") if isinstance(beat.stats, dict) else None
         if isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t):

@@ -440,7 +440,7 @@ class PipelineService:
         from node.pipe.worker import StageWorker
 
         m, s = self.m, self.stage
-        assert s is not None
+        assert s is not None and self._ctx is not None
         torch.set_num_threads(m.train.threads)
         config = GPTConfig(d_model=m.model.d_model, n_layers=m.model.n_layers,
                            n_heads=m.model.n_heads, context=m.model.context)
@@ -644,16 +644,18 @@ class PipelineService:
 
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
+        mode = p.recovery
+        assert mode != "none", "a stage is rebuilt only under CheckFree (or CheckFree+)"
         said = self.trained_of([q for row in smap for q in row])
         empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {ctx.peer_id}}
         lost = lost_stages(smap, said, fresh, ctx.peer_id) - {s}
         try:
-            how = plan(s, list(self.layers), p.recovery, lost)
+            how = plan(s, list(self.layers), mode, lost)
         except RecoveryError:
             # past the untrained stages there is no source (an edge): hosted stages, however
             # few steps their weights claim (a stalled one steps its clock, not its weights),
             # beat the seed
-            how = plan(s, list(self.layers), p.recovery, empty)
+            how = plan(s, list(self.layers), mode, empty)
         if set(how.sources) & lost:
             log.info("pipeline: stage %d is rebuilt from stages %s, which claim few trained "
                      "steps: nothing nearer survives", s, how.sources)

@@ -91,7 +91,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     if m.outer.algorithm == "diloco":  # the baseline: an all-reduce every round
         from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
-        outer = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
+        outer: SwarmDiLoCo | NoLoCo = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
             outer_lr=m.outer.outer_lr, momentum=m.outer.momentum, nesterov=m.outer.nesterov))
     else:
         outer = NoLoCo(trainer.parameters_vector(),

@@ -61,7 +61,11 @@ class DataChannelStream:
         self._low = asyncio.Event()
         channel.bufferedAmountLowThreshold = LOW_WATER
         channel.on("message", lambda m: _soon(token, self._deliver, m))
-        channel.on("close", lambda: (self._low.set(), _soon(token, self._deliver, None)))
+        def closed() -> None:
+            self._low.set()
+            _soon(token, self._deliver, None)
+
+        channel.on("close", closed)
         channel.on("bufferedamountlow", self._low.set)
 
     # -- trio side ----------------------------------------------------------------------

@@ -335,6 +335,7 @@ class WebRtcService:
             if old is not None:  # the peer restarted, or gave up on the last one
                 await old.close()
             rtc = await self._aiortc()
+            assert self._sub is not None  # signals arrive once serve() has set it
             session = rtc.RtcSession(self.bridge, stream.muxed_conn.peer_id,
                                  await self._find_stun(self._sub), self._on_channel)
             try:

@@ -46,11 +46,11 @@ class AdamW:
                  eps: float = 1e-8, weight_decay: float = 1e-2, fused: bool = False) -> None:
         self.fused = fused
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        given = list(params)
-        if given and not isinstance(given[0], dict):
-            given = [{"params": given}]
+        given: list[Any] = list(params)
+        groups: list[dict[str, Any]] = (
+            [{"params": given}] if given and not isinstance(given[0], dict) else given)
         self.param_groups: list[dict[str, Any]] = []
-        for group in given:
+        for group in groups:
             unknown = set(group) - {"params", *_OPTIONS}
             if unknown:
                 raise ValueError(f"AdamW: unknown group option(s) {sorted(unknown)}")
