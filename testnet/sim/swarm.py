@@ -310,7 +310,7 @@ class Swarm:
         res = Result(sc)
         n0 = sc.peers
         # The mesh at the run's size, traced for copies and spread (heartbeat and announce).
-        adj = gossip.mesh(n0, sc.gossip.degree, self.rng)
+        self.adj = adj = gossip.mesh(n0, sc.gossip.degree, self.rng)
         lat, bw = self.lat[:n0], self.bw[:n0]
         self.flood = gossip.trace(adj, lat, bw, self.sizes.heartbeat,
                                   sc.gossip.idontwant_min_bytes, sc.gossip.floods, self.rng)
