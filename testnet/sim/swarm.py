@@ -83,6 +83,7 @@ class Traffic:
 class Result:
     scenario: Scenario
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time: the load-independent figure
     virtual_s: float = 0.0
     rounds: list[dict] = field(default_factory=list)  # per round: n, averaged, local, loss, ...
     joins: int = 0
@@ -309,7 +310,7 @@ class Swarm:
             torch.set_num_threads(threads)
 
     def _run(self) -> Result:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         sc, _t = self.sc, self.sc.training
         res = Result(sc)
         n0 = sc.peers
@@ -371,6 +372,7 @@ class Swarm:
         res.join_to_averaged = [float(x) for x in firsts if np.isfinite(x)]
         res.doc_entries = self.count * self.sizes.entries_per_peer  # nothing is compacted
         res.wall_s = time.perf_counter() - started
+        res.cpu_s = time.process_time() - cpu
         return res
 
     def _start_round(self, r: int, now: float) -> dict:
@@ -458,6 +460,16 @@ class Swarm:
                 ex = steps * self.exchange_s(slow, slow)
                 barrier = float(st["compute"][rows].max())
                 wait[rows] = barrier - st["compute"][rows] + ex
+            elif len(members) >= 2:
+                # the all-reduce fails at a swap with a gone member: the live members
+                # waited for the slowest of them, then for that swap's deadline (twice
+                # a swap), before their local step
+                rows = [pos[i] for i in members if i in pos and live_now[i]]
+                if rows:
+                    slow = max(members, key=lambda i: self.model_bytes / self.bw[i]
+                               + 4 * self.lat[i])
+                    barrier = float(st["compute"][rows].max())
+                    wait[rows] = barrier - st["compute"][rows] + 2 * self.exchange_s(slow, slow)
             cfg = DiLoCoConfig()
             diloco_update(phi, m, delta, outer_lr=cfg.outer_lr, momentum=cfg.momentum,
                           nesterov=cfg.nesterov)
