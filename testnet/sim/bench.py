@@ -117,9 +117,9 @@ def plot(res: dict, path: Path) -> bool:
     for kind in sc[0]["msgs"]:
         ax.plot(ns, [r["msgs"][kind] for r in sc], "o-", label=kind)
     ax.plot(ns, [sum(r["msgs"].values()) for r in sc], "k--", label="total")
-    ax.axhline(1000, color="r", lw=0.8, ls=":")
+    ax.axhline(INBOUND_BUDGET, color="r", lw=0.8, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="peers", ylabel="inbound messages / node / s",
-           title="membership and gossip load (red: 1,000/s)")
+           title=f"membership and gossip load (red: {INBOUND_BUDGET:.0f}/s, the budget)")
     ax.legend(fontsize=7)
     ax = axes[0][1]
     ax.plot(ns, [sum(r["bytes"].values()) / 1e6 * 8 for r in sc], "o-", label="all")
@@ -189,6 +189,12 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
                    _f(sum(r["bytes"].values()) * 8 / 1e6, 2), f"{r['wall_s']:.1f}",
                    f"{r['cpu_s']:.1f}", f"{r['virtual_s']:,.0f}"] for r in sc]),
         "",
+        "### Inbound Mbit/s per node, by kind (weight exchanges excluded)",
+        "",
+        md_table(["peers", *kinds, "total"],
+                 [[f"{r['n']:,}", *(_f(r["bytes"][k] * 8 / 1e6, 3) for k in kinds),
+                   _f(sum(r["bytes"].values()) * 8 / 1e6, 2)] for r in sc]),
+        "",
         "### Spread, joining, run-document size",
         "",
         md_table(["peers", "copies per gossip msg", "write -> 99% (gossip) s",
@@ -251,18 +257,23 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
     return "\n".join(lines)
 
 
-def main(quick: bool = False, scenario: Path | None = None, doc: Path | None = None) -> str:
+def main(quick: bool = False, scenario: Path | None = None, doc: Path | None = None,
+         raw: Path | None = None) -> str:
+    """Run the curves (or, with `raw`, write up again what a run saved) into `doc`."""
     from rich.console import Console
 
     console = Console()
     path = scenario or DEFAULT_SCENARIO
-    base = load(path)
-    started = machine()
-    t0 = time.perf_counter()
-    res = run(base, quick, log=lambda msg: console.print(msg))
-    total = time.perf_counter() - t0
-    raw = Path(tempfile.gettempdir()) / "peertrain-bench-sim.json"
-    raw.write_text(json.dumps(res, default=float))
+    if raw is not None:
+        res = json.loads(raw.read_text())
+    else:
+        base = load(path)
+        t0 = time.perf_counter()
+        res = run(base, quick, log=lambda msg: console.print(msg))
+        res["total_s"], res["machine"] = time.perf_counter() - t0, machine()
+        raw = Path(tempfile.gettempdir()) / "peertrain-bench-sim.json"
+        raw.write_text(json.dumps(res, default=float))
+    started, total = res["machine"], res["total_s"]
     doc_path = doc or DOC
     has_plot = plot(res, doc_path.parent / "sim.png")
     try:

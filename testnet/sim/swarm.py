@@ -402,8 +402,6 @@ class Swarm:
         t = self.sc.training
         training, view, th, end = st["training"], st["view"], st["theta"], st["end"]
         idx = torch.from_numpy(training)
-        pos = {p: k for k, p in enumerate(training.tolist())}
-        dict(zip(training.tolist(), st["compute"].tolist(), strict=True))
         live_now = self.alive
         mean = th.clone()
         averaged = np.zeros(len(training), dtype=bool)
@@ -442,6 +440,7 @@ class Swarm:
             cfg = NoLoCoConfig()
             noloco_update(phi, m, mean, outer_lr=cfg.outer_lr, momentum=cfg.momentum)
         else:
+            pos = {p: k for k, p in enumerate(training.tolist())}
             members = view.tolist()
             ok = len(members) >= 2 and all(i in pos and live_now[i] for i in members)
             phi, m = self.phi[idx], self.m[idx]
