@@ -141,3 +141,14 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_sybilwall_gives_identical_sybils_less_than_the_mean_does() -> None:
+    from testnet.sim.experiments import sybil_attack
+
+    mean = sybil_attack(60, 0.3, "mean", rounds=4, seed=1)
+    wall = sybil_attack(60, 0.3, "sybilwall", rounds=4, seed=1)
+    assert mean.sybils == wall.sybils == 18
+    assert 0.0 < mean.sybil_weight < 1.0 and mean.success > 0.0
+    assert wall.sybil_weight < mean.sybil_weight / 2
+    assert wall.success < mean.success

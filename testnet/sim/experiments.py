@@ -107,6 +107,7 @@ def _sybil_attack(peers: int, share: float, aggregator: str, rounds: int, degree
     h = peers - k
     hid = [f"h{i:05d}" for i in range(h)]
     sid = [f"s{j:05d}" for j in range(k)]
+    sybil_ids = set(sid)  # not a prefix test: the own model's weight is keyed "self"
     # honest graph: each peer links to `degree` random others (mean degree ~ 2 x degree / 2)
     nbrs: list[set[int]] = [set() for _ in range(h)]
     for i in range(h):
@@ -153,7 +154,7 @@ def _sybil_attack(peers: int, share: float, aggregator: str, rounds: int, degree
             result = aggs[i].aggregate(rnd, {"w": models[i].clone()}, incoming)
             new[i] = result.state["w"]
             if sybil_of[i]:
-                shares.append(sum(w for p, w in result.weights.items() if p.startswith("s")))
+                shares.append(sum(w for p, w in result.weights.items() if p in sybil_ids))
         models = new
     moved = float((models.mean(dim=0) - c_star) @ (target - c_star)) / float(
         (target - c_star).norm() ** 2)
