@@ -229,6 +229,11 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
                    f"{r['success']:.3f}", f"{r['sybil_weight']:.3f}", f"{r['seconds']:.1f}"]
                   for r in res["sybil"]]),
         "",
+        "Attack success: the share of the way from the honest optimum to the attacker's "
+        "target that the honest peers' mean model moved; weight on sybils: the mean share "
+        "of the weight an honest peer with a sybil neighbour gave sybils (real "
+        "`make_aggregator` classes, testnet/sim/experiments.py).",
+        "",
         "### Checkpoint download when 10% of the swarm joins at once",
         "",
         md_table(["peers", "joiners", "provider policy", "busiest holder serves GB",
