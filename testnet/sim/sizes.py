@@ -41,6 +41,15 @@ class Sizes:
     dht_reply: int  # a reply carrying k = 20 closer peers
     add_provider: int  # ADD_PROVIDER with our record
     manifest_per_chunk: int  # checkpoint manifest bytes per 4 MiB chunk
+    avg_fixed: int  # one side of an averaging exchange: offer or accept, and done
+    avg_per_frame: int  # framing of one tensor frame (4 MiB of fp32) beyond its values
+    avg_chunk_bytes: int  # fp32 bytes per tensor frame
+
+
+def avg_session_bytes(s: Sizes, model_bytes: float) -> tuple[float, int]:
+    """(bytes, messages) one side sends in one exchange of a `model_bytes` fp32 vector."""
+    frames = max(1, math.ceil(model_bytes / s.avg_chunk_bytes))
+    return model_bytes + s.avg_fixed + frames * s.avg_per_frame, frames + 2
 
 
 def gossip_rpc(data_len: int, topic: str) -> int:
@@ -104,6 +113,8 @@ def measure() -> Sizes:
                                       tuple("0" * 64 for _ in range(100)), {"peer": me})
     per_chunk = math.ceil(len(m.encode()) / 100)
 
+    fixed, per_frame, chunk = _averaging()
+
     def framed(n: int) -> int:
         return n + _varint_len(n) + FRAME_OVERHEAD
 
@@ -119,4 +130,32 @@ def measure() -> Sizes:
         dht_reply=framed(reply.ByteSize()),
         add_provider=framed(add.ByteSize()),
         manifest_per_chunk=per_chunk,
+        avg_fixed=fixed,
+        avg_per_frame=per_frame,
+        avg_chunk_bytes=chunk,
     )
+
+
+def _averaging() -> tuple[int, int, int]:
+    """Run one real /peertrain/avg/1.0.0 exchange (protocols/averaging.py) of 3 frames and
+    split what each side wrote into its fixed part and its per-frame framing."""
+    import torch
+
+    from protocols import averaging as av
+
+    chunk = 1 << 10
+    numel = 3 * chunk
+    a = av.Exchange("initiator", RUN_ID, 7, numel, ["fp32"], chunk_elems=chunk)
+    b = av.Exchange("responder", RUN_ID, None, None, ["fp32"])
+    offer = a.initiate()
+    b.receive_data(offer)
+    b.next_event()
+    accept = b.accept("fp32")
+    a.receive_data(accept)
+    a.next_event()
+    sent = a.send_vector(torch.zeros(numel))
+    total = sum(len(memoryview(x).cast("B")) for x in sent)
+    done = len(sent[-1])
+    per_frame = (total - done - 4 * numel) // 3 + FRAME_OVERHEAD
+    fixed = max(len(offer), len(accept)) + done + 2 * FRAME_OVERHEAD
+    return fixed, per_frame, 4 * av.DEFAULT_CHUNK_ELEMS

@@ -40,7 +40,7 @@ from node.ml.optim.noloco import NoLoCoConfig, noloco_update
 from node.ml.optim.pairing import noloco_groups
 from testnet.sim import gossip
 from testnet.sim.scenario import NAT_KINDS, Scenario
-from testnet.sim.sizes import Sizes, measure
+from testnet.sim.sizes import Sizes, avg_session_bytes, measure
 
 MBIT = 1e6 / 8
 PUNCH_S = 5.5  # measured time to a punched or relayed path (docs/benchmarks.md, reach)
@@ -150,7 +150,8 @@ class Swarm:
         self.phi = torch.randn(1, t.dim, generator=self.gen).mul_(3.0).expand(cap, t.dim).clone()
         self.theta = self.phi.clone()
         self.m = torch.zeros(cap, t.dim)
-        self.model_bytes = t.model_mb * 1e6
+        # what one side of a /peertrain/avg/1.0.0 exchange writes (protocols/averaging.py)
+        self.model_bytes, self.model_msgs = avg_session_bytes(self.sizes, t.model_mb * 1e6)
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -364,6 +365,12 @@ class Swarm:
             else:
                 push(self._exchange(pending, res), ROUND, who + 1)
         res.virtual_s = now
+        if res.rounds and now > 0 and res.traffic is not None:
+            # weight exchanges: each averaged peer receives its partner's vector once a round
+            per_s = sum(r["averaged"] / max(1, r["training"]) for r in res.rounds) / now
+            res.traffic.msgs["averaging"] = per_s * self.model_msgs
+            res.traffic.msgs_max["averaging"] = per_s * self.model_msgs
+            res.traffic.bytes["averaging"] = per_s * self.model_bytes
         res.sync_s = float(np.mean([r["sync"] for r in res.rounds])) if res.rounds else 0.0
         arrived = self.joined_at[:self.count] > 0
         res.join_to_ready = (self.ready_at[:self.count][arrived]
