@@ -178,9 +178,10 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
         "## Swarm simulator: where the design breaks as the swarm grows",
         "",
         f"`node bench sim` on {started}; {total_s:.0f} s in all, one thread, on a machine "
-        "shared with other engineers' jobs (load average 10-20 on 2 cores: wall times are "
-        f"pessimistic). Scenario {scenario} (docs/simulator.md: what is real, what is "
-        "modelled); churn 10%/h unless a table says otherwise; a 100 MB model and checkpoint.",
+        "shared with other engineers' jobs (load average 10-25 on 2 cores: wall times are "
+        "pessimistic; CPU s is the figure to compare). "
+        f"Scenario {scenario} (docs/simulator.md: what is real, what is modelled); churn "
+        "10%/h unless a table says otherwise; a 100 MB model and checkpoint.",
         "",
         "### Inbound messages per node and second (mean peer; `max`: the busiest)",
         "",
