@@ -238,6 +238,23 @@ def soak(quick: Quick = False) -> None:
     bench.main(quick=quick)
 
 
+@app.command()
+def sim(quick: Quick = False,
+        scenario: Annotated[Path | None, typer.Option(
+            help="A scenario file (TOML; default testnet/sim/scenarios/default.toml).")]
+        = None) -> None:
+    """The swarm simulator's curves, 10 to 10,000 peers on virtual time: traffic per node,
+    spread, joins, churn, NoLoCo vs DiLoCo, sybils, checkpoint bursts (PNG)."""
+    from cli.common import fail
+    from testnet.sim import bench
+    from testnet.sim.scenario import ScenarioError
+
+    try:
+        bench.main(quick=quick, scenario=scenario)
+    except ScenarioError as e:
+        raise fail(str(e), 2) from None
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
@@ -252,6 +269,7 @@ def run_all(quick: Quick = False) -> None:
     pull(quick)
     churn(quick)
     soak(quick)
+    sim(quick)
     from testnet.netns import available
 
     if available() is None:  # root only
