@@ -169,5 +169,6 @@ async def test_a_trainer_that_does_not_fit_stops_the_node_with_exit_11():
     assert group is not None
     while isinstance(group, BaseExceptionGroup):
         (group,) = group.exceptions
-    assert type(group) is errors.DeviceMemoryError and group.exit_code == 11
+    assert type(group) is errors.TrainingFailed and group.exit_code == 11
+    assert type(group.__cause__) is DeviceMemoryError  # the trainer's, the one of that name
     assert str(group).startswith("training needs about 9.00 GiB on cuda:0")
