@@ -1,7 +1,8 @@
 """MetricsService: what a person or Prometheus sees of a node.
 
 * `/metrics`: Prometheus text exposition of the node's status (collector.py);
-* `/`: the status page (static/index.html + static/status.js, shipped in the package:
+* `/`: the status page (static/index.html + static/status.js, with static/common.js, the
+  helpers a testnet's swarm page shares and serves too; shipped in the package:
   no CDN, the machine may be offline), drawn from `/api/status`: the status plus the loss
   history and the checkpoints held;
 * a progress line on the terminal every `progress_s` (step, losses, peers, the last
@@ -66,7 +67,8 @@ class MetricsService:
         self.url: str | None = None
         self.checkpoints: list[dict[str, Any]] = []
         self.server = HttpServer({"/": self._page, "/index.html": self._page,
-                                  "/status.js": self._script, "/metrics": self._metrics,
+                                  "/common.js": common_script, "/status.js": self._script,
+                                  "/metrics": self._metrics,
                                   "/api/status": self._api_status})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatusCollector(self.status, self._extra))
@@ -247,6 +249,12 @@ def _held_checkpoints(ctx: NodeContext, run_id: str) -> list[dict[str, Any]]:
     """This run's checkpoints on disk (a thread: it reads their manifests)."""
     return [{"cid": cid, "step": m.step, "bytes": m.size, "created_ms": m.created_ms}
             for cid, m in ctx.checkpoints.list(run_id)]
+
+
+def common_script() -> Response:
+    """static/common.js: the helpers of the status page and of a testnet's swarm page
+    (testnet/swarm.py serves it at the same path), so the two pages draw alike."""
+    return Response(body=_static("common.js"), content_type="text/javascript; charset=utf-8")
 
 
 def _static(name: str) -> bytes:
