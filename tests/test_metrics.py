@@ -383,10 +383,10 @@ def test_dashboard_and_docs_name_only_metrics_the_node_exports():
 
 
 def test_both_pages_load_the_shared_helpers_first_and_never_redeclare_them(tmp_path):
-    """The status page and a testnet's swarm page draw with one static/common.js, served by
-    both servers at /common.js and loaded before the page's own script. A page script that
-    declared one of its names again would stop with a SyntaxError (classic scripts share
-    one global scope) and leave its page blank: no name is declared twice."""
+    """The status page and a testnet's swarm page draw with one static/common.js (and style
+    with one common.css), served by both servers and loaded before the page's own. A page
+    script that declared one of its names again would stop with a SyntaxError (classic
+    scripts share one global scope) and leave its page blank: no name is declared twice."""
     import re
     from importlib import resources
 
@@ -408,6 +408,8 @@ def test_both_pages_load_the_shared_helpers_first_and_never_redeclare_them(tmp_p
              "/status.js"),
             (SwarmPage(tmp_path).server.routes, static("testnet", "swarm.html"), "/swarm.js")):
         assert routes["/common.js"]().body == common.encode()
+        assert routes["/common.css"]().body == static("node.metrics", "common.css").encode()
+        assert '<link rel="stylesheet" href="/common.css">\n<style>' in html
         scripts = re.findall(r'<script src="([^"]+)"></script>', html)
         assert scripts == ["/common.js", own], scripts
         body = routes[own]().body.decode()
