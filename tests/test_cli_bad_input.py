@@ -17,8 +17,7 @@ from node.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
-from tests.conftest import REPO, cli, run_cli, wait_until
-from tests.test_swarm_training import FAST_RUN
+from tests.conftest import FAST_RUN, REPO, cli, run_cli, wait_until
 
 RUN = mf.run_id(b"no such run")
 CID = "QmV5uCatEhFTiiheNrcwqYx3eEPCvWgFt68pxHjVDgz2hx"
@@ -123,13 +122,6 @@ def test_bad_values_get_one_line_and_the_documented_exit_code(files, argv, code,
 
 
 # -- real node processes ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def fast_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "fast.toml"
-    path.write_text(FAST_RUN)
-    return path
 
 
 def start_join(net: launcher.Testnet, state_dir: Path, *extra: str,

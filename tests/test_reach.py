@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -22,7 +21,7 @@ from p2p.addrs import Network
 from p2p.host import DialError, Substrate
 from protocols import stun
 from testnet import stun as testnet_stun
-from tests.conftest import cli
+from tests.conftest import cli, node_context
 
 
 async def test_dial_back_is_on_a_fresh_connection_and_proves_the_key():
@@ -196,7 +195,7 @@ class FakeGateway:
 async def _run_private(svc: ReachabilityService, sub: FakeSubstrate, seconds: float) -> None:
     svc.state = "private"
     with trio.move_on_after(seconds):
-        await svc.run(SimpleNamespace(substrate=sub))  # type: ignore[arg-type]
+        await svc.run(node_context(substrate=sub))  # type: ignore[arg-type]
 
 
 async def test_a_mapping_is_announced_renewed_at_half_lease_and_removed_on_stop(
@@ -294,7 +293,7 @@ async def test_the_verdict_and_the_dht_mode_follow_the_answers_both_ways(autojum
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch)
-        nursery.start_soon(svc.run, SimpleNamespace(substrate=sub))
+        nursery.start_soon(svc.run, node_context(substrate=sub))
         await trio.sleep(1)
         assert svc.state == "private" and sub.dht_server is False
         sub.peers = {"A": "198.18.1.2", "B": "198.18.2.2", "C": "198.18.3.2"}

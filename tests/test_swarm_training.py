@@ -18,38 +18,19 @@ from protocols import averaging as av
 from protocols import heartbeat as hb
 from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
 from testnet import launcher
-from tests.conftest import await_until, cli, nodes, peers, status, training, wait_until
+from tests.conftest import (
+    FAST_RUN,
+    await_until,
+    cli,
+    nodes,
+    peers,
+    status,
+    training,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
-FAST_RUN = """
-schema = 1
-[run]
-name = "swarm-test"
-[model]
-task = "bytes-gpt"
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[train]
-batch_size = 8
-lr = 3e-3
-warmup_steps = 10
-eval_every = 50
-eval_batches = 2
-[outer]
-algorithm = "noloco"
-inner_steps = 100
-codec = "bf16"
-"""
-
-
-@pytest.fixture
-def fast_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "fast.toml"
-    path.write_text(FAST_RUN)
-    return path
 
 
 def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_manifest):
