@@ -208,6 +208,29 @@ def pipeline_net(stages: int, manifest: Callable[[str], str] | None = None
     return net
 
 
+def shared_testnet(nodes: int, manifest: str | None = None, **kwargs: Any
+                   ) -> Callable[..., Iterator[launcher.Testnet]]:
+    """A module fixture, `net = shared_testnet(2)`: one testnet (`launcher.up(...,
+    **kwargs)`) for all the tests of a file that only read it or leave it as they found it,
+    instead of one each: a testnet's start and first rounds are most of such a test's time.
+    `manifest`: the run's manifest text (FAST_RUN, say); the default run's otherwise."""
+
+    @pytest.fixture(scope="module")
+    def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
+        directory = tmp_path_factory.mktemp("shared")
+        path = None
+        if manifest is not None:
+            path = directory / "manifest.toml"
+            path.write_text(manifest)
+        kwargs.setdefault("detached", True)
+        try:
+            yield launcher.up(directory / "tn", nodes, manifest=path, **kwargs)
+        finally:
+            launcher.down(directory / "tn")
+
+    return net
+
+
 @pytest.fixture
 def nat_available() -> None:
     """Skips, saying why, where a testnet cannot build NAT gateways (no network namespaces,
