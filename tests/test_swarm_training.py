@@ -24,6 +24,7 @@ from tests.conftest import (
     cli,
     nodes,
     peers,
+    shared_testnet,
     status,
     training,
     wait_until,
@@ -33,8 +34,13 @@ pytestmark = pytest.mark.slow  # every test here starts node processes
 
 
 
-def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
+#: One 3-node NoLoCo swarm for the tests that watch it train: the loss test, then the
+#: SIGKILL test, which restarts the node it kills (it comes last of the two).
+swarm = shared_testnet(3, FAST_RUN, timeout=180)
+
+
+def test_loss_falls_on_every_node_and_rounds_are_averaged(swarm):
+    net = swarm
     for p in nodes(net):
         t = wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3
                        and t["val_loss"] is not None and t["val_loss"] < t["first_val_loss"]
@@ -58,8 +64,8 @@ def test_diloco_all_reduces_across_three_nodes_while_the_trainers_wait(testnet_f
         assert sum(x["exchanges"] for x in partners.values()) >= 3
 
 
-def test_sigkill_mid_run_does_not_stall_the_others(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
+def test_sigkill_mid_run_does_not_stall_the_others(swarm):
+    net = swarm
     node1, node2, node3 = nodes(net)
     for p in (node1, node2):
         wait_until(lambda p=p: training(p).get("rounds_averaged", 0) >= 2, 240,
