@@ -15,7 +15,7 @@ import torch
 
 from protocols import manifest as mf
 from testnet import launcher
-from tests.conftest import REPO, run_cli, shared_testnet, status, wait_until
+from tests.conftest import FAST_RUN, REPO, run_cli, shared_testnet, status, wait_until
 
 NO_TORCH = """
 import sys
@@ -79,20 +79,6 @@ from cli.main import app
 app()
 """
 
-FAST_RUN = """
-schema = 1
-[run]
-name = "lazy-torch"
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[train]
-batch_size = 8
-[outer]
-inner_steps = 50
-"""
 
 
 def start_gated_joiner(net: launcher.Testnet, tmp_path: Path
