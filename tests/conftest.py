@@ -24,7 +24,7 @@ import pytest
 import torch
 import trio
 
-from node.priority import SESSION_NICE_ENV
+from node.process.priority import SESSION_NICE_ENV
 from node.status.control import query_control
 from testnet import launcher
 
@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower.
     # Node processes the tests start choose their own threads.
     torch.set_num_threads(1)
-    # Training nodes leave their session's priority alone (node/priority.py): the
+    # Training nodes leave their session's priority alone (node/process/priority.py): the
     # scenario tests' deadlines were set with every node's session equal to the others and
     # to the suite's own. With the testnets' trainers at nice 10 the SybilWall scenario
     # missed its deadline (ci94; ci95 with the suite's session at nice 10 too). The tests

@@ -24,6 +24,7 @@ from node.ml.trainer.tasks import TaskConfig, build_task
 from node.training.rounds import Outcome, TrainingStats
 from node.training.service import TrainingService
 from node.training.state import checkpoint_tensors
+from node.transport.transports import Transports
 from p2p.host import Substrate
 from protocols import ckpt_exchange as cx
 from protocols import keys, rundoc
@@ -51,8 +52,8 @@ def node_ctx(me: Substrate, signer: keys.Signer, doc: rundoc.RunDocument, state:
     """What the checkpoint service reads of a node: its run, host, store, membership."""
     run = SimpleNamespace(run_id=RUN, document=doc, progress=TrainingStats(),
                           manifest=SimpleNamespace(checkpoint=SimpleNamespace(keep=3)))
-    return node_context(run=run, substrate=me, peer_id=signer.peer_id, open_stream=None,
-                        path_of=lambda peer: "direct", checkpoints=CheckpointStore(state),
+    return node_context(run=run, substrate=me, peer_id=signer.peer_id,
+                        transports=Transports(me), checkpoints=CheckpointStore(state),
                         membership=membership or Membership(signer.peer_id, 60.0))
 
 

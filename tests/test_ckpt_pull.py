@@ -26,13 +26,13 @@ def joining(doc, me: Substrate, state: Path):
     from types import SimpleNamespace
 
     from node.checkpoints.service import CheckpointService
+    from node.transport.transports import Transports
 
     synced = trio.Event()
     synced.set()
     service = CheckpointService(publish=lambda delta: None, synced=synced)
     ctx = node_context(run=SimpleNamespace(run_id=RUN, document=doc), substrate=me,
-                       open_stream=None, path_of=lambda peer: "direct",
-                       checkpoints=CheckpointStore(state))
+                       transports=Transports(me), checkpoints=CheckpointStore(state))
     return service, ctx
 
 
@@ -47,7 +47,7 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
         await trio.sleep_forever()
 
     async def lie(stream):  # answers every request with garbage of the right shape
-        from node.streams import next_event
+        from node.transport.streams import next_event
 
         decoder = cx.REQUEST_LIMITS.decoder()
         while True:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from node.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
+from node.process.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
@@ -154,7 +154,7 @@ idle_net = shared_testnet(1, extra_node_args=["--no-train"])
 def test_a_training_node_stops_cleanly(fast_net, tmp_path, sig, code):
     """Ctrl-C in a terminal (the node shares the terminal's session), SIGTERM from a
     service manager (a session of its own). Training lowers the session's CPU priority
-    only when the session is the node's own (node/priority.py)."""
+    only when the session is the node's own (node/process/priority.py)."""
     net = fast_net
     state = tmp_path / "trainer"
     own_session = sig == signal.SIGTERM

@@ -1,4 +1,4 @@
-"""torch loads in the background (node/preload.py): the CLI and the daemon's modules import
+"""torch loads in the background (node/process/preload.py): the CLI and the daemon's modules import
 no torch, a joiner connects, discovers and hears its peers while torch cannot load, then
 trains once it can; `--device cuda` without CUDA is refused before anything is dialed."""
 

@@ -12,7 +12,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointStore
-from node.streams import write_chunks
+from node.transport.streams import write_chunks
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols import heartbeat as hb

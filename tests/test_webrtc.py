@@ -16,6 +16,7 @@ from node.averaging.service import Averager
 from node.checkpoints.exchange import CheckpointServer, pull
 from node.checkpoints.store import CheckpointStore
 from node.reach.relays import RelayService
+from node.transport.transports import Transports
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.service import WebRtcService
@@ -133,11 +134,13 @@ async def test_two_relayed_peers_get_a_webrtc_path_and_average_and_pull_over_it(
 
         # an averaging round over the data channel, both ways
         subs, rtcs = [a, b], [rtc_a, rtc_b]
+        doors = [Transports(s) for s in subs]
+        for door, rtc in zip(doors, rtcs, strict=True):
+            door.attach(channels=rtc)  # the averager serves on the data channels too
         avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
-                         step_time=lambda: 20.0, inner_steps=1, open_stream=rtc.open_stream)
-                for s, rtc, me, other in zip(subs, rtcs, ids, reversed(ids), strict=True)]
-        for avg, rtc in zip(avgs, rtcs, strict=True):
-            rtc.set_handler(av.PROTOCOL_ID, avg.handle)
+                         step_time=lambda: 20.0, inner_steps=1, transports=door)
+                for s, door, me, other in zip(subs, doors, ids, reversed(ids), strict=True)]
+        assert all(av.PROTOCOL_ID in rtc.handlers for rtc in rtcs)
         vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
         outcomes: list = [None, None]
 

@@ -6,7 +6,7 @@ chunk from a shared queue, and a chunk that fails (timeout, stall, wrong hash, r
 back into the queue while that provider is dropped. Chunks already on disk are skipped, so
 an interrupted pull resumes where it stopped. Nothing is loaded that failed verification.
 
-Chunks travel on a bulk lane (node/lane.py) when the provider offers one, LANE_WINDOW
+Chunks travel on a bulk lane (node/transport/lane.py) when the provider offers one, LANE_WINDOW
 requests in flight; else (an older node, a lane that cannot be reached, a busy server) on
 the libp2p stream, one request at a time. Why: the provider is usually a trainer, and
 beside its trainer thread the stream served ~10 MB/s, 60% of it in Yamux/Noise writes and
@@ -29,9 +29,9 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointError, CheckpointStore
-from node.lane import LaneListener, LaneStream, connect_lane, listen_host
 from node.service import NodeContext
-from node.streams import StreamEnded, next_event
+from node.transport.lane import LaneListener, LaneStream, connect_lane, listen_host
+from node.transport.streams import StreamEnded, next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
@@ -68,8 +68,8 @@ class CheckpointServer:
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.lane_host = listen_host(ctx.substrate)
-        self.lane_dialable = ctx.lane_dialable
-        ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
+        self.lane_dialable = ctx.transports.lane_dialable
+        ctx.transports.serve(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
 

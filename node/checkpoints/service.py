@@ -56,7 +56,7 @@ class CheckpointService:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
         # True while the trainer could not start anyway (torch is still loading:
-        # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
+        # node/process/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
         # True once a live training node's heartbeat has been heard: the run has members
         # (and likely checkpoints), so their run document is worth waiting for.
@@ -176,7 +176,8 @@ class CheckpointService:
         try:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
                                          progress=progress, more_providers=dht_providers,
-                                         open_stream=ctx.open_stream, path_of=ctx.path_of)
+                                         open_stream=ctx.transports.open_stream,
+                                         path_of=ctx.transports.path_of)
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s)", cid, e)
             return False

@@ -29,7 +29,7 @@ from libp2p.peer.id import ID
 
 from node.files import atomic_write
 from node.service import NodeContext
-from node.streams import next_event
+from node.transport.streams import next_event
 from protocols import rundoc
 from protocols.errors import ProtocolError, RemoteProtocolError
 from protocols.keys import Signer

@@ -48,7 +48,7 @@ import trio
 
 from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
-from node.priority import lower_session_priority, lower_thread_priority
+from node.process.priority import lower_session_priority, lower_thread_priority
 from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats
 from node.training.state import checkpoint_tensors
 

@@ -1,7 +1,7 @@
 """A WebRTC data channel with the read/write/close surface of a libp2p stream.
 
-Modelled on the averaging bulk lane (node/lane.py's LaneStream): the averaging
-adapter and the pump (node/streams.py) take it wherever they take a libp2p stream, so an
+Modelled on the averaging bulk lane (node/transport/lane.py's LaneStream): the averaging
+adapter and the pump (node/transport/streams.py) take it wherever they take a libp2p stream, so an
 averaging round runs over a data channel unchanged. One channel carries one stream; its
 label is the protocol id (node/webrtc/session.py).
 

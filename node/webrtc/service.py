@@ -32,7 +32,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.service import NodeContext
-from node.streams import close_quietly, next_event
+from node.transport.streams import close_quietly, next_event
 from node.webrtc import PATH_WEBRTC, SessionError
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.channel import DataChannelStream

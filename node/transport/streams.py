@@ -34,7 +34,7 @@ async def pump(stream: INetStream, next_event: Callable[[], Any],
                feed: Callable[[bytes], None], into: InPlace | None = None) -> Any:
     """Read from `stream` into a sans-IO core until it yields an event (not NEED_DATA).
 
-    With `into` (the core) and a stream that has `read_into` (node/lane.LaneStream),
+    With `into` (the core) and a stream that has `read_into` (node/transport/lane.LaneStream),
     whatever lands where the core wants it (a tensor payload: for fp32 the receive vector
     itself) is opened there, not copied in by `feed`.
 
