@@ -11,6 +11,7 @@ from node.ml.trainer import memory_fit as mf
 from node.ml.trainer.errors import DeviceMemoryError
 from node.ml.trainer.loop import TrainConfig, Trainer
 from node.ml.trainer.tasks import TaskConfig, build_task
+from tests.conftest import node_context
 
 GIB = 1024**3
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -228,15 +229,13 @@ async def test_a_trainer_that_does_not_fit_stops_the_node_with_exit_11():
     from types import SimpleNamespace
 
     from node import errors
-    from node.service import Phases
     from node.training.service import TrainingService
 
     def build():
         raise DeviceMemoryError("training needs about 9.00 GiB on cuda:0 but 1.00 GiB are free")
 
-    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(outer=None), phases=Phases(),
-                          config=SimpleNamespace(heartbeat_s=1.0),
-                          membership=SimpleNamespace(swarm_step=lambda: 0))
+    ctx = node_context(run=SimpleNamespace(outer=None), config={"heartbeat_s": 1.0},
+                       membership=SimpleNamespace(swarm_step=lambda: 0))
     service = TrainingService(build, exchange=None)
     with pytest.raises(BaseExceptionGroup) as info:  # from the service's nursery
         await service.run(ctx)
@@ -245,5 +244,6 @@ async def test_a_trainer_that_does_not_fit_stops_the_node_with_exit_11():
     assert group is not None
     while isinstance(group, BaseExceptionGroup):
         (group,) = group.exceptions
-    assert type(group) is errors.DeviceMemoryError and group.exit_code == 11
+    assert type(group) is errors.TrainingFailed and group.exit_code == 11
+    assert type(group.__cause__) is DeviceMemoryError  # the trainer's, the one of that name
     assert str(group).startswith("training needs about 9.00 GiB on cuda:0")

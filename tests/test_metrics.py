@@ -385,3 +385,37 @@ def test_dashboard_and_docs_name_only_metrics_the_node_exports():
     assert families <= {re.sub(r"_(total|info)$", "", n) for n in documented} | {
         "peertrain_node"}, sorted(families - {re.sub(r"_(total|info)$", "", n)
                                               for n in documented})
+
+
+def test_both_pages_load_the_shared_helpers_first_and_never_redeclare_them(tmp_path):
+    """The status page and a testnet's swarm page draw with one static/common.js (and style
+    with one common.css), served by both servers and loaded before the page's own. A page
+    script that declared one of its names again would stop with a SyntaxError (classic
+    scripts share one global scope) and leave its page blank: no name is declared twice."""
+    import re
+    from importlib import resources
+
+    from node.metrics.service import MetricsService
+    from testnet.swarm import SwarmPage
+
+    def static(package: str, name: str) -> str:
+        return resources.files(package).joinpath("static", name).read_text()
+
+    def declared(script: str) -> set[str]:
+        return set(re.findall(r"^(?:const|let|var|function|async function)\s+([\w$]+)",
+                              script, re.MULTILINE))
+
+    common = static("node.metrics", "common.js")
+    shared = declared(common)
+    assert {"el", "fmt", "lossText", "training", "ago", "lossFrame", "poll"} <= shared
+    for routes, html, own in (
+            (MetricsService(dict, None).server.routes, static("node.metrics", "index.html"),
+             "/status.js"),
+            (SwarmPage(tmp_path).server.routes, static("testnet", "swarm.html"), "/swarm.js")):
+        assert routes["/common.js"]().body == common.encode()
+        assert routes["/common.css"]().body == static("node.metrics", "common.css").encode()
+        assert '<link rel="stylesheet" href="/common.css">\n<style>' in html
+        scripts = re.findall(r'<script src="([^"]+)"></script>', html)
+        assert scripts == ["/common.js", own], scripts
+        body = routes[own]().body.decode()
+        assert not declared(body) & shared, (own, declared(body) & shared)

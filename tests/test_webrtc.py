@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from types import SimpleNamespace
 
 import torch
 import trio
@@ -27,7 +26,7 @@ from protocols import averaging as av
 from protocols import ckpt_exchange as cx
 from protocols import webrtc_signal as sig
 from protocols.wire import Envelope, encode_envelope
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 NUMEL = 500_000  # 2 MB of fp32 each way
 
@@ -102,8 +101,8 @@ async def _relayed_pair(nursery):
     nodes = [_node("public"), _node("private"), _node("private")]
     for sub, relay, rtc in nodes:
         await nursery.start(sub.serve)
-        await nursery.start(relay.run, SimpleNamespace(substrate=sub))
-        await nursery.start(rtc.run, SimpleNamespace(substrate=sub))
+        await nursery.start(relay.run, node_context(substrate=sub))
+        await nursery.start(rtc.run, node_context(substrate=sub))
     (r, _, rtc_r), (a, relay_a, _), (b, _, _) = nodes
     for sub in (a, b):
         await sub.connect(r.addrs()[0])
@@ -195,7 +194,7 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
     async with trio.open_nursery() as nursery:
         for sub in subs:
             await nursery.start(sub.serve)
-        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        await nursery.start(rtc.run, node_context(substrate=target))
         for sub in (low, high):
             await sub.connect(target.addrs()[0])
 
@@ -231,7 +230,7 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
         assert rtc.statistics()["refused"] == 6 and not rtc.sessions
         # the host is up and answers: a real offer from `low` gets an answer
         session_svc = WebRtcService(lambda: "private")
-        await nursery.start(session_svc.run, SimpleNamespace(substrate=low))
+        await nursery.start(session_svc.run, node_context(substrate=low))
         session = await session_svc.connect(target.peer_id.to_base58())
         assert session.up.is_set()
         nursery.cancel_scope.cancel()
@@ -249,7 +248,7 @@ async def test_offers_over_a_direct_connection_are_refused_scored_and_start_no_s
     async with trio.open_nursery() as nursery:
         for sub in subs:
             await nursery.start(sub.serve)
-        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        await nursery.start(rtc.run, node_context(substrate=target))
         await low.connect(target.addrs()[0])
         hostile = low.peer_id.to_base58()
         replies = []

@@ -17,7 +17,6 @@ save the trainer's snapshots, and keep what we hold announced (and only that).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from libp2p.peer.id import ID
 from node.checkpoints import exchange
 from node.checkpoints.holders import SOURCES, choose_holders
 from node.errors import NodeError
+from node.run.rundoc_sync import now_ms
 from node.service import NodeContext
 from protocols.rundoc import checkpoint_holders, checkpoint_index, ckpt_key
 
@@ -245,7 +245,7 @@ class CheckpointService:
         if cid in dropped:  # it claims less than the `keep` we hold (we resumed from scratch
             return  # after a damaged checkpoint): nothing to announce
         self._publish(run.document.set(ckpt_key(ctx.peer_id, cid),
-                                       {"hash": cid, "step": trained, "size": size}, _now_ms()))
+                                       {"hash": cid, "step": trained, "size": size}, now_ms()))
         if ctx.substrate.dht is not None:
             await ctx.substrate.dht.provide(ckpt_provider_key(cid))
 
@@ -269,8 +269,4 @@ class CheckpointService:
                 ctx.substrate.dht.stop_providing(ckpt_provider_key(cid))
             key = ckpt_key(ctx.peer_id, cid)
             if doc.get(key) is not None:
-                self._publish(doc.delete(key, _now_ms()))
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+                self._publish(doc.delete(key, now_ms()))

@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from node.run.rundoc_sync import now_ms
 from p2p.peerbook import PeerBook, PeerEntry
 from protocols.heartbeat import Heartbeat, liveness_ttl_s
 from protocols.rundoc import RunDocument
@@ -25,10 +26,6 @@ REDIAL_HORIZON_S = 600.0
 #: A run-document member is listed while its last_seen is at most three announces (2 s
 #: each, node/run/rundoc_sync.py) and some gossip delay old.
 MEMBER_TTL_S = 8.0
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Membership:

@@ -55,6 +55,9 @@ def topic(run_id: str) -> str:
 
 
 def now_ms() -> int:
+    """Wall-clock milliseconds: the clock of the run document's stamps (protocols/rundoc.py
+    reads none, its callers pass `now_ms`). The one definition: membership and checkpoints
+    stamp the same document with it."""
     return time.time_ns() // 1_000_000
 
 

@@ -67,8 +67,10 @@ class TrainingDiverged(TrainerError):
         self.loss = loss
 
 
-class CheckpointError(TrainerError, ValueError):
-    """A trainer state dict is not one this trainer can load (format, version, task, shapes)."""
+class TrainerStateError(TrainerError, ValueError):
+    """A trainer state dict is not one this trainer can load (format, version, task, shapes).
+    Not node/checkpoints' CheckpointError (a checkpoint the store cannot find, fetch or
+    verify): that one is a node error with an exit status, which node/ml/ cannot import."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,14 +523,14 @@ class Trainer:
         )
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore a `state_dict()`; the current config is kept. Raises `CheckpointError`."""
+        """Restore a `state_dict()`; the current config is kept. Raises `TrainerStateError`."""
         if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != CHECKPOINT_VERSION:
-            raise CheckpointError(
+            raise TrainerStateError(
                 f"not a {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION} state: "
                 f"format={state.get('format')!r} version={state.get('version')!r}"
             )
         if state.get("task") != self.task.name or state.get("n_params") != self.n_params:
-            raise CheckpointError(
+            raise TrainerStateError(
                 f"state is for task {state.get('task')!r} with {state.get('n_params')} "
                 f"parameters; this trainer runs {self.task.name!r} with {self.n_params}"
             )
@@ -536,7 +538,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
             self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"state does not fit this model: {exc}") from exc
+            raise TrainerStateError(f"state does not fit this model: {exc}") from exc
         self.data_rng.set_state(state["data_rng"])  # type: ignore[arg-type]
         self.step_count = int(state["step"])  # type: ignore[call-overload]
         self._pending = []  # what they said is about weights that are gone
