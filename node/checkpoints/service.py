@@ -258,7 +258,7 @@ class CheckpointService:
             log.warning("not announcing checkpoint %s: %s", cid, e)
             return
         value = {"hash": cid, "step": step, "size": size, "writer": writer}
-        self._publish(ctx.the_run().document.set(ckpt_key(ctx.peer_id, cid), value, _now_ms()))
+        self._publish(ctx.the_run().document.set(ckpt_key(ctx.peer_id, cid), value, now_ms()))
         log.info("holding checkpoint %s (step %d) of %s for the next joiners", cid, step,
                  writer)
 
