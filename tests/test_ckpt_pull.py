@@ -244,10 +244,11 @@ async def test_the_lane_is_asked_for_beside_the_manifest_request(tmp_path: Path,
     looked_up.set()
     mine = CheckpointStore(tmp_path / "me")
     with trio.fail_after(60):
-        result = await ckpt_sync._pull(
-            lambda peer: Session(), [provider], cid, mine, 30.0, lambda done, total: None,
-            None, lambda name: True, lambda name: "stream", 0.0, set(), [], looked_up,
-            lambda: [], {})
+        result = await ckpt_sync._Pull(
+            lambda peer: Session(), [provider], cid, mine, chunk_timeout=30.0,  # type: ignore[arg-type, return-value]
+            progress=lambda done, total: None, check=None, lane_for=lambda name: True,
+            route_of=lambda name: "stream", started=0.0, lacking=set(), reasons=[],
+            looked_up=looked_up, found=lambda: [], ahead={}).run()
     assert result.chunks_by_peer == {provider.to_base58(): len(manifest.chunks)}
     assert torch.equal(mine.load(cid)[1]["w"], torch.arange(1000.0))
 
