@@ -32,7 +32,7 @@ import trio
 
 from node.lane import listen_host
 from node.ml.pipeline.schedule import hops
-from node.pipe import convergence, placement, stage_ckpt, stall
+from node.pipe import claims, convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
@@ -103,6 +103,9 @@ class PipelineService:
         # "none": built in run(), keyed by stage (its run key follows _set_stage).
         self.averager: Any = None
         self._nursery: trio.Nursery | None = None
+        # This node's lease on its stage in the run document (claims.py); None without a
+        # run document (unit tests of the heartbeat rules)
+        self.lease: claims.StageLease | None = None
 
     # -- the stage map -------------------------------------------------------------------
 
@@ -156,6 +159,17 @@ class PipelineService:
         if self.stage is not None:
             out[ctx.peer_id] = self.stage
         return out
+
+    def agreed_hosts(self, first_choice: bool = False) -> dict[str, int]:
+        """`hosts()` plus the live stage claims of peers the live view misses
+        (claims.merged): what a joiner fills and untrained nodes rebalance by."""
+        hosts = self.hosts(first_choice)
+        if self.lease is None:
+            return hosts
+        from node.run.rundoc_sync import now_ms
+
+        me = self.lease.me  # our own claim is `self.stage`, or a previous run's
+        return claims.merged(hosts, [c for c in self.lease.claims(now_ms()) if c.peer != me])
 
     def settled(self) -> set[str]:
         """Live hosts whose stage trains already (their heartbeats say `staged`)."""
@@ -224,6 +238,8 @@ class PipelineService:
         entry = doc.entry(key)
         if entry is not None:
             ctx.publisher.publish_nowait(topic(self.run_id), doc.encode_delta([entry]))
+        if self.lease is not None:
+            self.lease.hold(stage, now_ms())
 
     # -- the service ---------------------------------------------------------------------
 
@@ -239,6 +255,27 @@ class PipelineService:
         self.lane_host = listen_host(substrate)
         ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
         ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
+        self.lease = self._lease(ctx)
+        try:
+            await self._run(ctx, task_status)
+        finally:
+            if self.lease is not None:  # a clean stop frees the stage at once
+                from node.run.rundoc_sync import now_ms
+
+                with contextlib.suppress(Exception):
+                    self.lease.release(now_ms())
+
+    def _lease(self, ctx: NodeContext) -> claims.StageLease | None:
+        if ctx.run is None or getattr(ctx.run, "document", None) is None:
+            return None
+        from node.run.rundoc_sync import topic
+
+        def publish(delta: bytes) -> None:
+            ctx.publisher.publish_nowait(topic(self.run_id), delta)
+
+        return claims.StageLease(ctx.run.document, ctx.peer_id, self.n, publish)
+
+    async def _run(self, ctx: NodeContext, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.outbox.run)
@@ -253,7 +290,7 @@ class PipelineService:
             # One ttl later those have expired and every live peer has beaten again.
             if time.monotonic() - ctx.phases.started > ctx.config.peer_ttl_s:
                 await trio.sleep(ctx.config.peer_ttl_s)
-            self._set_stage(placement.choose(self.hosts(first_choice=True), self.n))
+            self._set_stage(placement.choose(self.agreed_hosts(first_choice=True), self.n))
             nursery.start_soon(self._follow_membership, ctx)
             if self.m.pipeline is not None and self.m.pipeline.recovery == "checkfree+":
                 nursery.start_soon(self._keep_ends)
@@ -322,6 +359,10 @@ class PipelineService:
     async def _follow_membership(self, ctx: NodeContext) -> None:
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
+            if self.lease is not None:
+                from node.run.rundoc_sync import now_ms
+
+                self.lease.renew(now_ms())
             self._follow_once()
 
     def _follow_once(self) -> None:
@@ -329,8 +370,15 @@ class PipelineService:
         takeover only of a stage nobody heard lately hosts (convergence.recent_hosts)."""
         ctx = self._ctx
         assert ctx is not None
-        move = placement.rebalance(ctx.peer_id, self.hosts(), self.n, training=self.training,
+        # untrained nodes move apart by the agreed map; a trained one by its live view,
+        # and then only through a bid on the stage's lease (_bid)
+        hosts = self.hosts() if self.training else self.agreed_hosts()
+        move = placement.rebalance(ctx.peer_id, hosts, self.n, training=self.training,
                                    settled=self.settled(), uptime=self.uptimes())
+        if self.lease is not None and self.lease.bid is not None and move != self.lease.bid:
+            from node.run.rundoc_sync import now_ms
+
+            self.lease.withdraw_bid(now_ms())  # the stage we bid for is not empty any more
         if move is None:
             return
         if not self.training:
@@ -342,12 +390,38 @@ class PipelineService:
                 self.counters["refused: takeover"] += 1
                 log.info("pipeline: stage %d has no live host in this view, but %s was "
                          "heard within %.0f s: not taking it over", move, recent, FRESH_S)
+            elif self.lease is not None and not self._bid(move):
+                return
             else:
                 log.warning("pipeline: stage %d has no host heard within %.0f s; this node "
                             "(stage %s, which keeps %d more) takes it over", move, FRESH_S,
                             self.stage, len(self.stage_map()[self.stage or 0]) - 1)
                 self._move_to = move
                 self._stop.set()
+
+    def _bid(self, move: int) -> bool:
+        """A takeover of `move` through its lease (claims.verdict): True once our bid
+        has held BID_S with no claim ranked before it; refused while another's lease on
+        the stage is live; a lost bid is withdrawn."""
+        from node.run.rundoc_sync import now_ms
+
+        ctx, lease = self._ctx, self.lease
+        assert ctx is not None and lease is not None
+        t = now_ms()
+        verdict, peer = claims.verdict(ctx.peer_id, move, lease.claims(t), t)
+        if verdict == "refused":
+            self.counters["refused: takeover (lease)"] += 1
+            log.info("pipeline: stage %d has no live host in this view, but %s's claim on it "
+                     "is live: not taking it over", move, peer)
+        elif verdict == "bid":
+            lease.place_bid(move, t)
+            log.info("pipeline: bidding for stage %d, which no live claim holds", move)
+        elif verdict == "lost":
+            lease.withdraw_bid(t)
+            self.counters["refused: takeover (bid lost)"] += 1
+            log.info("pipeline: %s's claim on stage %d ranks before our bid: withdrawn",
+                     peer, move)
+        return verdict == "won"
 
     async def _wait_to_start(self, ctx: NodeContext) -> None:
         self.phase = "waiting for stages"
