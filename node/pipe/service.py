@@ -292,7 +292,7 @@ class PipelineService:
                 await trio.sleep(ctx.config.peer_ttl_s)
             self._set_stage(placement.choose(self.agreed_hosts(first_choice=True), self.n))
             nursery.start_soon(self._follow_membership, ctx)
-            if self.m.pipeline is not None and self.m.pipeline.recovery == "checkfree+":
+            if self._keeps_ends():
                 nursery.start_soon(self._keep_ends)
             task_status.started()
             await self._wait_to_start(ctx)
@@ -810,6 +810,14 @@ class PipelineService:
             raise RecoveryError(f"no neighbour holds a copy of stage {s}'s ends "
                                 f"(asked {len(holders)}: {'; '.join(failed)})")
         return got[0], got[1].tensors
+
+    def _keeps_ends(self) -> bool:
+        """Whether the edges' neighbours keep a copy of their ends: under CheckFree+, and
+        under CheckFree too where a lost edge takes CheckFree+'s rule (checkfree.plan)."""
+        from node.ml.recovery.checkfree import edges_have_rule
+
+        p = self.m.pipeline
+        return p is not None and edges_have_rule(self.layers, p.recovery)
 
     async def _keep_ends(self) -> None:
         """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
