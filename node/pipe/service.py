@@ -2,8 +2,9 @@
 
 On start it picks its stage from the live membership (placement.py: the stage with the
 fewest live hosts, ties to the lowest), writes it in its own namespace of the run
-document (`peer/<id>/stage`) and in its heartbeats (so every view has it within a
-second), and keeps the choice in line with membership: until training starts, nodes
+document (`peer/<id>/stage`), as a leased claim (`stage/<n>/<id>`, claims.py: the map
+every node agrees on; a takeover bids on it) and in its heartbeats (so every view has it
+within a second), and keeps the choice in line with membership: until training starts, nodes
 that joined together move apart (placement.rebalance). Training starts once every stage
 has a host, the replicas are balanced and the map has been stable for SETTLE_S; then the
 stage's worker (worker.py) runs in the trainer thread, torch's own, and this service
@@ -1010,6 +1011,14 @@ class PipelineService:
 
     # -- status --------------------------------------------------------------------------
 
+    def _claims_statistics(self) -> dict[str, Any] | None:
+        """The stage map the run document's live claims agree on, and our claim and bid."""
+        if self.lease is None:
+            return None
+        from node.run.rundoc_sync import now_ms
+
+        return self.lease.statistics(now_ms())
+
     def statistics(self) -> dict[str, Any]:
         if self._ctx is None:
             return {"phase": "starting"}
@@ -1044,6 +1053,7 @@ class PipelineService:
                         **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
             "queued": self.inbox.qsize(),
             "recovery": self.recovery,
+            "claims": self._claims_statistics(),
             "replicas": (self.worker.replicas.statistics()
                          if self.worker is not None and self.worker.replicas is not None
                          else None),
