@@ -68,3 +68,12 @@ def test_a_full_run_s_length_is_stated_and_bad_arguments_refused():
         bench.main(names=["middle"])
     with pytest.raises(ValueError, match="--load"):
         bench.main(load="heavy")
+
+
+def test_a_case_that_failed_is_a_row_that_says_why():
+    c = bench.Case("twice", 2, "checkfree", load="30.1 / 27.0",
+                   error="3 of 5 loss readings from the last stage in 90 s before the kill")
+    headers, rows = bench.table([c])
+    row = dict(zip(headers, rows[0], strict=True))
+    assert row["case"] == "stage 2 killed twice in a row"
+    assert row["rule"].startswith("failed: 3 of 5") and row["load 1/5 min"] == "30.1 / 27.0"

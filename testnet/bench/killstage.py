@@ -67,6 +67,7 @@ LOADS = ("idle", "burner")
 FULL = {"train_s": 90.0, "readings": 20, "between_s": 30.0}
 QUICK = {"train_s": 30.0, "readings": 8, "between_s": 15.0}
 AFTER_S = 300.0  # bounded: the wait for the rebuilt stage and the readings after it
+READINGS_S = 90.0  # the 5 readings before the kill must come within this
 LATER_S = 30.0  # "30 s after": past the first step through the rebuilt stage
 BURN_S = 1800  # the burner's own bound (timeout(1)), in case this process dies first
 CASE_S = {"interior": 200, "edge": 200, "restart": 200, "replica": 230, "twice": 300,
@@ -90,6 +91,7 @@ class Case:
     after: list[tuple[int, float]] = field(default_factory=list)
     after_s: list[float] = field(default_factory=list)  # seconds from the kill
     dropped: int | None = None  # micro-batches dropped by the live hosts, kill to end
+    error: str | None = None  # why the case did not complete (the table says so)
 
     @property
     def name(self) -> str:
@@ -257,11 +259,16 @@ def _measure(case: Case, sc: Scenario, net: launcher.Testnet, directory: Path,
         net = launcher.Testnet.load(directory) or net
         _first_step(net, tail, fresh, watch, AFTER_S)
         time.sleep(sizes["between_s"])  # training on the rebuilt stage, measured next
-    while len(case.before) < 5:  # bounded by the readings
+    deadline = time.monotonic() + READINGS_S
+    while len(case.before) < 5:
         r = _reading(tail)
-        if r is not None:
+        if r is not None and (not case.before or r[0] > case.before[-1][0]):
             case.before.append(r)
             case.before_s.append(time.monotonic())
+        if time.monotonic() > deadline:  # a stalled pipeline (a loaded machine): say so
+            raise RuntimeError(f"{len(case.before)} of 5 loss readings from the last stage "
+                               f"in {READINGS_S:g} s before the kill; its phase: "
+                               f"{_pipeline(tail).get('phase')!r}")
         time.sleep(1.0)
     case.load = " / ".join(Path("/proc/loadavg").read_text().split()[:2])
     dropped_before = _dropped(net)
@@ -302,6 +309,9 @@ def table(cases: list[Case]) -> tuple[list[str], list[list[str]]]:
                "load 1/5 min"]
     rows = []
     for c in cases:
+        if c.error is not None:
+            rows.append([c.name, f"failed: {c.error}"] + ["-"] * (len(headers) - 3) + [c.load])
+            continue
         before = statistics.fmean(loss for _, loss in c.before)
         losses = [loss for _, loss in c.after]
         later = c.loss_later()
@@ -382,7 +392,13 @@ def main(quick: bool = False, doc: Path | None = None, names: list[str] | None =
         for name in chosen:
             for how in loads:
                 print(f"{name}, {how} ...", flush=True)
-                case = run_case(SCENARIOS[name], how == "burner", sizes, Path(tmp))
+                try:
+                    case = run_case(SCENARIOS[name], how == "burner", sizes, Path(tmp))
+                except (RuntimeError, TimeoutError, launcher.TestnetError) as e:
+                    sc = SCENARIOS[name]  # one case that fails does not end the matrix
+                    case = Case(sc.kind, sc.stage, sc.recovery, burner=how == "burner",
+                                error=str(e)[:200],
+                                load=" / ".join(Path("/proc/loadavg").read_text().split()[:2]))
                 print(f"  rebuilt by {case.rule} {case.rebuilt_s} s after the kill; first "
                       f"step {case.first_step_s} s; {len(case.after)} readings after; "
                       f"{time.monotonic() - started:.0f} s so far", flush=True)
