@@ -256,29 +256,10 @@ class PipelineService:
         self.lane_host = listen_host(substrate)
         ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
         ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
-        self.lease = self._lease(ctx)
-        try:
-            await self._run(ctx, task_status)
-        finally:
-            if self.lease is not None:  # a clean stop frees the stage at once
-                from node.run.rundoc_sync import now_ms
-
-                with contextlib.suppress(Exception):
-                    self.lease.release(now_ms())
-
-    def _lease(self, ctx: NodeContext) -> claims.StageLease | None:
-        if ctx.run is None or getattr(ctx.run, "document", None) is None:
-            return None
-        from node.run.rundoc_sync import topic
-
-        def publish(delta: bytes) -> None:
-            ctx.publisher.publish_nowait(topic(self.run_id), delta)
-
-        return claims.StageLease(ctx.run.document, ctx.peer_id, self.n, publish)
-
-    async def _run(self, ctx: NodeContext, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.lease = self._lease(ctx)
+            nursery.start_soon(self._hold_lease)
             nursery.start_soon(self.outbox.run)
             if self.m.outer.algorithm == "noloco":
                 await nursery.start(self._averager(ctx).run)
@@ -360,11 +341,32 @@ class PipelineService:
     async def _follow_membership(self, ctx: NodeContext) -> None:
         while True:
             await trio.sleep(ctx.config.heartbeat_s)
-            if self.lease is not None:
-                from node.run.rundoc_sync import now_ms
-
-                self.lease.renew(now_ms())
             self._follow_once()
+
+    def _lease(self, ctx: NodeContext) -> claims.StageLease | None:
+        if ctx.run is None or getattr(ctx.run, "document", None) is None:
+            return None
+        from node.run.rundoc_sync import topic
+
+        def publish(delta: bytes) -> None:
+            ctx.publisher.publish_nowait(topic(self.run_id), delta)
+
+        return claims.StageLease(ctx.run.document, ctx.peer_id, self.n, publish)
+
+    async def _hold_lease(self) -> None:
+        """Renew our stage claim while we host it; a stop (this task cancelled with the
+        service) tombstones it, so the stage is free at once, not a lease later."""
+        from node.run.rundoc_sync import now_ms
+
+        if self.lease is None:
+            return
+        try:
+            while True:
+                await trio.sleep(claims.RENEW_S / 3)
+                self.lease.renew(now_ms())
+        finally:
+            with contextlib.suppress(Exception):
+                self.lease.release(now_ms())
 
     def _follow_once(self) -> None:
         """Keep the stage choice in line with the live view (placement.rebalance); a
