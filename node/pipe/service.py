@@ -393,6 +393,10 @@ class PipelineService:
                 self.counters["refused: takeover"] += 1
                 log.info("pipeline: stage %d has no live host in this view, but %s was "
                          "heard within %.0f s: not taking it over", move, recent, FRESH_S)
+                if self.lease is not None and self.lease.bid is not None:
+                    from node.run.rundoc_sync import now_ms
+
+                    self.lease.withdraw_bid(now_ms())
             elif self.lease is not None and not self._bid(move):
                 return
             else:
