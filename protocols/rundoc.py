@@ -472,8 +472,7 @@ class RunDocument:
         return doc
 
     def gc(self, now_ms: int, horizon_ms: int) -> int:
-        """Forget tombstones, every peer/<id>/ entry of peers silent, and every stage claim
-        (`stage/<n>/<id>`, a lease: node/pipe/claims.py) not renewed, for > horizon_ms;
+        """Forget tombstones, and every peer/<id>/ entry of peers silent, for > horizon_ms;
         from now on refuse entries that old for keys we have no record of. Returns the count."""
         cutoff = now_ms - horizon_ms
         newest: dict[str, int] = {}
@@ -486,7 +485,6 @@ class RunDocument:
             for k, e in self._entries.items()
             if (e.tombstone and e.hlc.wall_ms < cutoff)
             or (k.startswith("peer/") and newest[k.split("/")[1]] < cutoff)
-            or (k.startswith("stage/") and k.count("/") == 2 and e.hlc.wall_ms < cutoff)
         ]
         for key in drop:
             del self._entries[key]

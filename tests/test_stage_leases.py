@@ -191,14 +191,15 @@ def test_a_takeover_is_refused_while_the_stage_s_lease_is_live():
     assert service._move_to == 1 and service._stop.is_set()
 
 
-def test_gc_forgets_claims_long_expired_and_keeps_renewed_ones():
-    """A SIGKILLed host never tombstones its claim: the document's GC drops it once it
-    has not been renewed for the horizon (as it drops a silent peer's own entries)."""
-    dead, live = Node(0, 3), Node(1, 3)
-    dead.lease.hold(1, T0)
-    live.lease.hold(2, T0)
-    assert live.lease.renew(T0 + 3_600_000)
-    for delta in dead.out:
-        live.doc.merge(delta, T0)
-    assert live.doc.gc(T0 + 3_600_001, horizon_ms=3_600_000) == 1
-    assert [c.peer for c in live.lease.claims(T0 + 3_600_001)] == [live.me]
+
+def test_re_signing_a_claim_unchanged_renews_no_lease():
+    """The document re-signs a live peer's old entries with their values unchanged (so
+    that compaction never drops them): that must not bring an expired lease back."""
+    n = Node(0, 3)
+    n.lease.hold(1, T0)
+    entry = n.doc.entry(claims.key(1, n.me))
+    assert entry is not None
+    later = T0 + LEASE_MS + 1
+    n.doc.set(entry.key, entry.value, later)  # what a refresh writes
+    assert n.agreed(later) == {}
+    assert n.lease.renew(later) and n.agreed(later + 1) == {n.me: 1}  # a renewal does

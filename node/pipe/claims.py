@@ -2,10 +2,14 @@
 
 A host of stage n writes `stage/<n>/<its id>` in the run document (protocols/rundoc.py:
 only the id may write it, signed, merged last-writer-wins), value `{"lease_ms", "since_ms",
-"bid"}`, and rewrites it every RENEW_S while it hosts the stage. A claim is honoured until
-its entry's stamp plus its lease (LEASE_S, capped at MAX_LEASE_MS so a claim cannot hold a
-stage for ever); an expired claim frees the stage with no word from its writer (a SIGKILLed
-host); a host that leaves or moves tombstones its claim, which frees the stage at once.
+"at_ms", "bid"}`, and rewrites it every RENEW_S while it hosts the stage. A claim is
+honoured until it was renewed (`at_ms`, and never later than the entry's stamp) plus its
+lease (LEASE_S, capped at MAX_LEASE_MS so a claim cannot hold a stage for ever): the
+renewal time is in the value, so a re-signing of the entry with its value unchanged (the
+document's refresh of a live peer's old entries) renews nothing. An expired claim frees
+the stage with no word from its writer (a SIGKILLed host); a host that leaves or moves
+tombstones its claim, which frees the stage at once; compaction forgets claims with the
+rest of a departed peer's keys.
 
 Why a lease and not only heartbeats: heartbeats say who is alive *now* in one node's view,
 and under load they arrive late (issue 27: a host's heartbeat 7 s late made its stage look
@@ -51,7 +55,7 @@ class Claim:
     peer: str
     stage: int
     since_ms: int  # when the peer first claimed the stage (kept across renewals)
-    renewed_ms: int  # the entry's stamp: its writer's clock at the last renewal
+    renewed_ms: int  # its writer's clock at the last renewal (at most the entry's stamp)
     lease_ms: int
     bid: bool
 
@@ -85,9 +89,12 @@ def parse(entry: Entry, stages: int) -> Claim | None:
     if not isinstance(value, dict):
         return None
     lease, since, bid = value.get("lease_ms"), value.get("since_ms"), value.get("bid", False)
+    at = value.get("at_ms", entry.hlc.wall_ms)
     if type(lease) is not int or type(since) is not int or type(bid) is not bool or lease <= 0:
         return None
-    renewed = entry.hlc.wall_ms
+    if type(at) is not int:
+        return None
+    renewed = min(at, entry.hlc.wall_ms)
     return Claim(parts[2], stage, min(since, renewed), renewed, min(lease, MAX_LEASE_MS), bid)
 
 
@@ -211,8 +218,8 @@ class StageLease:
                                        if t == s) for s in range(self.stages)}}
 
     def _claim(self, stage: int, since_ms: int, bid: bool, now_ms: int) -> None:
-        self._write(key(stage, self.me),
-                    {"lease_ms": self.lease_ms, "since_ms": since_ms, "bid": bid}, now_ms)
+        self._write(key(stage, self.me), {"lease_ms": self.lease_ms, "since_ms": since_ms,
+                                          "at_ms": now_ms, "bid": bid}, now_ms)
 
     def _write(self, k: str, value: dict[str, Any] | None, now_ms: int) -> None:
         delta = (self.doc.delete(k, now_ms) if value is None
