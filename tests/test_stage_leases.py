@@ -203,3 +203,31 @@ def test_re_signing_a_claim_unchanged_renews_no_lease():
     n.doc.set(entry.key, entry.value, later)  # what a refresh writes
     assert n.agreed(later) == {}
     assert n.lease.renew(later) and n.agreed(later + 1) == {n.me: 1}  # a renewal does
+
+
+async def test_a_stopping_service_frees_its_stage_at_once(autojump_clock):
+    """The pipeline service's lease task renews the claim and, when the service stops
+    (the task cancelled), tombstones it: others see the stage free without waiting out
+    the lease."""
+    import time
+
+    import trio
+
+    service = leased_service(("0a0", 0, 0.5, {}), claims_of={})
+    now = int(time.time() * 1000)
+    service.lease.hold(2, now)
+    other = Node(20, 4)
+    doc = service.lease.doc
+
+    def sync() -> None:  # what gossip would carry from the service's document to another
+        assert not other.doc.merge(doc.encode_delta(doc.entries("stage/")), now + 2).rejected
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(service._hold_lease)
+        await trio.sleep(60)  # virtual: the task loops, renewing when due
+        sync()
+        assert other.agreed(now + 3) == {service.lease.me: 2}
+        nursery.cancel_scope.cancel()
+    assert service.lease.claims(now + 1) == [] and service.lease.stage is None
+    sync()
+    assert other.agreed(now + 3) == {}  # free at once, 15 s of lease left unused
