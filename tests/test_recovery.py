@@ -19,6 +19,7 @@ from node.ml.recovery import (
     plan,
     rebuild_blocks,
 )
+from node.ml.recovery.checkfree import edges_have_rule
 from node.ml.trainer.models import GPT, GPTConfig
 
 CFG = GPTConfig(d_model=16, n_layers=6, n_heads=2, context=8)
@@ -85,17 +86,13 @@ def test_plans_for_checkfree_and_checkfree_plus() -> None:
     assert plan(3, LAYERS, "checkfree").rule == "average"
     assert plan(3, LAYERS, "checkfree").sources == (2, 4)
     for edge in (1, 6):
-        with pytest.raises(RecoveryError, match="edge"):
-            plan(edge, LAYERS, "checkfree")
         assert plan(edge, LAYERS, "checkfree+").rule == "copy"
     # CheckFree+: the four swapped stages copy their partner, the rest average
     assert [plan(i, LAYERS, "checkfree+").sources for i in (1, 2, 5, 6)] == [(2,), (1,), (6,),
                                                                            (5,)]
     assert plan(3, LAYERS, "checkfree+").rule == "average"
-    # the ends: only CheckFree+ restores them, from the neighbour's copy
+    # the ends: restored from the neighbour's copy
     assert plan(0, LAYERS, "checkfree+").ends and plan(0, LAYERS, "checkfree+").rule == "none"
-    with pytest.raises(RecoveryError, match="embedding"):
-        plan(7, LAYERS, "checkfree")
     with pytest.raises(RecoveryError, match="not a stage"):
         plan(8, LAYERS, "checkfree")
     # without 0-layer ends, the first stage holds the embedding and copies blocks from 1
@@ -133,3 +130,28 @@ def test_edge_copies_restore_the_embedding_by_copy_never_average() -> None:
     assert s[-1].tied is s[0].wte.weight  # the head still borrows the one matrix
     with pytest.raises(RecoveryError, match="no copy"):
         copies.get(7)
+
+
+def test_the_edges_take_checkfree_plus_s_rule_under_the_default_checkfree() -> None:
+    """Issue 27: stage 0 lost under recovery = "checkfree" (the manifest's default)
+    restarted from the seed. Where the layout gives it CheckFree+'s rule it takes it now:
+    a copy of its swap partner and the ends from its neighbour's copy; interior stages
+    keep CheckFree's average."""
+    for edge, partner in ((1, 2), (6, 5)):  # the first and last stages with blocks
+        p = plan(edge, LAYERS, "checkfree")
+        assert (p.rule, p.sources, p.ends) == ("copy", (partner,), False)
+    for end in (0, 7):  # 0-block ends: the neighbour's copy
+        p = plan(end, LAYERS, "checkfree")
+        assert (p.rule, p.ends) == ("none", True)
+    p = plan(0, (1, 1, 1, 1), "checkfree")  # the testnet's layout: the embedding too
+    assert (p.rule, p.sources, p.ends) == ("copy", (1,), True)
+    assert plan(2, LAYERS, "checkfree").rule == "average"  # CheckFree+ would copy 1
+    assert plan(1, (1, 1, 1, 1), "checkfree").rule == "average"
+    assert edges_have_rule((1, 1, 1, 1), "checkfree") and edges_have_rule(LAYERS, "checkfree")
+    # no CheckFree+ rule: fewer than 4 stages with blocks, a partner lost too, "none"
+    with pytest.raises(RecoveryError, match="edge"):
+        plan(0, (1, 1, 1), "checkfree")
+    assert not edges_have_rule((1, 1, 1), "checkfree")
+    assert not edges_have_rule((1, 1, 1, 1), "none")
+    with pytest.raises(RecoveryError, match="edge"):
+        plan(0, (1, 1, 1, 1), "checkfree", {1})
