@@ -1,0 +1,370 @@
+"""Compressed exchange at equal compute: bf16 NoLoCo and DiLoCo vs their "topk" versions.
+
+    node bench convergence --compression [--quick]
+
+8 and 32 replicas of a tiny byte-level GPT in one process, the real trainer (node/ml/trainer)
+and outer optimizers (node/ml/optim), no network (as `node bench convergence`). Methods:
+
+- noloco: NoLoCo in random pairs (η 0.7, heavy-ball μ 0.5), θ exchanged in bf16 (the
+  default codec; the bench rounds θ to bf16 as the wire would);
+- noloco-topk: `CompressedNoLoCo`, the "topk" frame (protocols/sparse.py): top-k of the
+  error-fed θ − φ per chunk of 4096, 2-bit values, the anchor's 4-bit modulo codes at the
+  sent indices; every frame goes through `sparse.encode` and `sparse.decode`;
+- diloco: DiLoCo over all replicas (Nesterov, η 0.7, μ 0.9), pseudo-gradients in bf16;
+- diloco-topk: `CompressedDiLoCo` with SparseLoCo's rule (EF decay 0.95, no outer momentum,
+  η 1), the same frames without anchor codes: the SparseLoCo baseline.
+
+Bytes per outer step: what one peer sends per outer step, its encoded payload (frames'
+actual lengths; bf16: 2 bytes a value). A pair exchange sends it once each way; an
+all-reduce of n workers moves ~2(n-1)/n of it per worker (ring), an all-gather of frames
+(SparseLoCo's) sends it to each of n - 1 others (or once to a bucket they read).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from node.ml.optim import DiLoCo, NoLoCo, noloco_groups
+from node.ml.optim.compress import CompressedDiLoCo, CompressedNoLoCo, TopKConfig
+from node.ml.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
+from node.ml.trainer.tasks import Task
+from protocols import codecs, sparse
+from testnet.bench.convergence import DILOCO, NOLOCO, replica_spread
+from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
+
+METHODS = ("noloco", "noloco-topk", "diloco", "diloco-topk")
+COLORS = {"noloco": "tab:blue", "noloco-topk": "tab:cyan", "diloco": "tab:orange",
+          "diloco-topk": "tab:red"}
+TOPK_NOLOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=1.0,
+                         anchor_bits=4, anchor_range=4.0)
+TOPK_DILOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=0.95,
+                         anchor_bits=0)
+BOUNDS = sparse.Bounds(max_density=1 / 16, max_value_bits=4, max_anchor_bits=8)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    replicas: tuple[int, ...] = (8, 32)
+    steps: int = 700
+    h: int = 50
+    marks: tuple[int, ...] = (100, 300, 500, 700)
+    batch: int = 8
+    d_model: int = 32
+    n_layers: int = 1
+    n_heads: int = 4
+    context: int = 32
+    max_bytes: int = 2_000_000
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    eval_batch: int = 64
+    eval_batches: int = 3
+    seed: int = 0
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(replicas=(4, 8), steps=120, h=20, marks=(40, 80, 120), warmup_steps=20,
+                    max_bytes=1_000_000)
+
+
+@dataclass(slots=True)
+class Result:
+    method: str
+    replicas: int
+    val: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # mean, min, max
+    bytes_per_step: float = 0.0  # mean over peers and outer steps
+    spread_end: float = 0.0
+    anchor_wraps: int = 0  # anchor codes decoded to the wrong grid point (noloco-topk)
+    anchor_codes: int = 0
+    seconds: float = 0.0
+    diverged_at: int | None = None
+
+
+def build_bench_task(cfg: BenchConfig) -> Task:
+    return build_task(TaskConfig(name="bytes-gpt", d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                 n_heads=cfg.n_heads, context=cfg.context,
+                                 max_bytes=cfg.max_bytes))
+
+
+def _train_config(cfg: BenchConfig, replica: int) -> TrainConfig:
+    return TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.steps,
+                       batch_size=cfg.batch, eval_every=0, device="cpu", threads=1,
+                       seed=cfg.seed, replica=replica)
+
+
+class Evaluator:
+    """Scores weight vectors on the same fixed validation batches."""
+
+    def __init__(self, task: Task, cfg: BenchConfig) -> None:
+        self.trainer = Trainer(task, TrainConfig(batch_size=cfg.eval_batch,
+                                                 eval_batches=cfg.eval_batches, eval_every=0,
+                                                 device="cpu", threads=1, seed=cfg.seed))
+
+    def losses(self, vectors: list[torch.Tensor]) -> list[float]:
+        if all(torch.equal(v, vectors[0]) for v in vectors[1:]):
+            self.trainer.set_parameters_vector(vectors[0])
+            return [self.trainer.evaluate()] * len(vectors)
+        out = []
+        for v in vectors:
+            self.trainer.set_parameters_vector(v)
+            out.append(self.trainer.evaluate())
+        return out
+
+
+def _bf16(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).to(torch.float32)
+
+
+def _wire(frame: sparse.Frame) -> tuple[sparse.Frame, int]:
+    """The frame as the receiver gets it: encoded, then decoded under the run's bounds."""
+    payload = sparse.encode(frame)
+    return sparse.decode(payload, frame.numel, BOUNDS), len(payload)
+
+
+def run_method(method: str, n: int, task: Task, cfg: BenchConfig, evaluator: Evaluator,
+               topk_noloco: TopKConfig = TOPK_NOLOCO,
+               topk_diloco: TopKConfig = TOPK_DILOCO) -> Result:
+    """Train `n` replicas with `method` for cfg.steps inner steps (bounded), scoring at marks."""
+    trainers = [Trainer(task, _train_config(cfg, i)) for i in range(n)]
+    ids = [f"peer{i}" for i in range(n)]
+    init = trainers[0].parameters_vector()
+    numel = init.numel()
+    res = Result(method, n)
+    bf16_bytes = codecs.max_encoded_size("bf16", numel)
+    sent = 0
+    outer_steps = 0
+    nol = [NoLoCo(init, NOLOCO) for _ in range(n)] if method == "noloco" else []
+    nolc = [CompressedNoLoCo(init, NOLOCO, topk_noloco) for _ in range(n)] \
+        if method == "noloco-topk" else []
+    dil = DiLoCo(init, DILOCO) if method == "diloco" else None
+    dilc = [CompressedDiLoCo(init, topk=topk_diloco) for _ in range(n)] \
+        if method == "diloco-topk" else []
+    started = time.perf_counter()
+    for step in range(1, cfg.steps + 1):  # bounded: cfg.steps inner steps
+        try:
+            for t in trainers:
+                t.step()
+        except TrainingDiverged:
+            res.diverged_at = step
+            break
+        if step % cfg.h == 0:
+            thetas = [t.parameters_vector() for t in trainers]
+            rnd = step // cfg.h - 1
+            outer_steps += 1
+            if method == "noloco":
+                wire = [_bf16(th) for th in thetas]
+                sent += n * bf16_bytes
+                for group in noloco_groups(rnd, ids):
+                    members = [ids.index(p) for p in group]
+                    for i in members:
+                        phi = nol[i].outer_step(thetas[i], [wire[j] for j in members if j != i])
+                        trainers[i].set_parameters_vector(phi)
+            elif method == "noloco-topk":
+                own = [opt.prepare(th) for opt, th in zip(nolc, thetas, strict=True)]
+                wired = [_wire(f) for f in own]
+                sent += sum(size for _, size in wired)
+                for group in noloco_groups(rnd, ids):
+                    members = [ids.index(p) for p in group]
+                    for i in members:
+                        got = [wired[j][0] for j in members if j != i]
+                        for j, f in zip([j for j in members if j != i], got, strict=True):
+                            _count_wraps(res, f, nolc[j].phi, nolc[i].phi)
+                        phi = nolc[i].outer_step(own[i], got)
+                        trainers[i].set_parameters_vector(phi)
+            elif method == "diloco":
+                assert dil is not None
+                sent += n * bf16_bytes
+                phi = dil.outer_step([_bf16(dil.pseudo_gradient(th)) for th in thetas])
+                for t in trainers:
+                    t.set_parameters_vector(phi)
+            else:
+                wired = [_wire(opt.prepare(th)) for opt, th in zip(dilc, thetas, strict=True)]
+                sent += sum(size for _, size in wired)
+                frames = [f for f, _ in wired]
+                for opt, t in zip(dilc, trainers, strict=True):
+                    t.set_parameters_vector(opt.outer_step(frames))
+        if step in cfg.marks:
+            vectors = [t.parameters_vector() for t in trainers]
+            losses = evaluator.losses(vectors)
+            res.val[step] = (sum(losses) / n, min(losses), max(losses))
+            if step == cfg.marks[-1]:
+                res.spread_end = replica_spread(vectors)
+    res.seconds = time.perf_counter() - started
+    res.bytes_per_step = sent / max(1, outer_steps * n)
+    return res
+
+
+def _count_wraps(res: Result, frame: sparse.Frame, sender_phi: torch.Tensor,
+                 receiver_phi: torch.Tensor) -> None:
+    """Anchor codes whose true difference lay outside what the modulo grid resolves."""
+    if not frame.anchor_bits or frame.eps is None:
+        return
+    starts = sparse._chunk_starts(frame.numel, frame.chunk, frame.k)
+    eps = torch.from_numpy(frame.eps).repeat_interleave(torch.from_numpy(starts).diff())
+    diff = (sender_phi[frame.indices] - receiver_phi[frame.indices]).abs()
+    limit = eps * ((1 << (frame.anchor_bits - 1)) - 0.5)
+    live = eps > 0
+    res.anchor_codes += int(live.sum())
+    res.anchor_wraps += int(((diff > limit) & live).sum())
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _tables(results: list[Result], cfg: BenchConfig) -> list[tuple[str, list[str], list[list[str]]]]:
+    headers = ["replicas", "method", "bytes / outer step", "vs bf16",
+               *[f"val @ {s}" for s in cfg.marks], f"vs noloco @ {cfg.marks[-1]}", "train s"]
+    rows = []
+    for n in cfg.replicas:
+        group = [r for r in results if r.replicas == n]
+        base = next(r for r in group if r.method == "noloco")
+        for r in group:
+            end = r.val.get(cfg.marks[-1])
+            gap = (end[0] - base.val[cfg.marks[-1]][0]) / base.val[cfg.marks[-1]][0] \
+                if end and cfg.marks[-1] in base.val else float("nan")
+            rows.append([str(n), r.method + (f" (diverged at {r.diverged_at})"
+                                              if r.diverged_at else ""),
+                         f"{r.bytes_per_step:,.0f}", f"{base.bytes_per_step / r.bytes_per_step:.1f}x",
+                         *[f"{r.val[s][0]:.3f}" if s in r.val else "-" for s in cfg.marks],
+                         f"{gap:+.2%}", f"{r.seconds:.0f}"])
+    return [("bytes per outer step (one peer's payload) and validation loss, nats/byte",
+             headers, rows)]
+
+
+def plot(results: list[Result], cfg: BenchConfig, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(cfg.replicas) + 1, figsize=(5 * (len(cfg.replicas) + 1), 4.2))
+    for ax, n in zip(axes, cfg.replicas, strict=False):
+        for r in (r for r in results if r.replicas == n):
+            steps = sorted(r.val)
+            ax.plot(steps, [r.val[s][0] for s in steps], marker="o", color=COLORS[r.method],
+                    label=f"{r.method} ({r.bytes_per_step / 1e3:.1f} kB/step)")
+            ax.fill_between(steps, [r.val[s][1] for s in steps], [r.val[s][2] for s in steps],
+                            color=COLORS[r.method], alpha=0.12)
+        ax.set(xlabel="inner step", ylabel="validation loss (nats/byte)",
+               title=f"{n} replicas (mean; band = min-max)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    n = cfg.replicas[-1]
+    group = [r for r in results if r.replicas == n]
+    ax.bar([r.method for r in group], [r.bytes_per_step for r in group],
+           color=[COLORS[r.method] for r in group])
+    ax.set(yscale="log", ylabel="bytes per outer step (one peer)",
+           title=f"payload per outer step ({n} replicas)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _findings(results: list[Result], cfg: BenchConfig) -> str:
+    end = cfg.marks[-1]
+    lines = []
+    for n in cfg.replicas:
+        by = {r.method: r for r in results if r.replicas == n}
+        if any(end not in r.val for r in by.values()):
+            lines.append(f"- **{n} replicas**: a method diverged; see the table.")
+            continue
+        nl, nc, dl, dc = (by[m] for m in METHODS)
+        ratio = nl.bytes_per_step / nc.bytes_per_step
+        gap = (nc.val[end][0] - nl.val[end][0]) / nl.val[end][0]
+        goal = ratio >= 50 and gap <= 0.01
+        wraps = (f" {nc.anchor_wraps / nc.anchor_codes:.2%} of the anchor codes decoded "
+                 f"outside the grid's range (bounded, not exact)." if nc.anchor_codes else "")
+        lines.append(
+            f"- **{n} replicas**: compressed NoLoCo sends {ratio:.1f}x fewer bytes per outer "
+            f"step than bf16 NoLoCo ({nc.bytes_per_step:,.0f} vs {nl.bytes_per_step:,.0f}) "
+            f"and ends at {nc.val[end][0]:.3f} against {nl.val[end][0]:.3f} ({gap:+.2%}): "
+            f"the goal (>= 50x, within 1%) is {'met' if goal else 'not met'}. "
+            f"SparseLoCo (diloco-topk) ends at {dc.val[end][0]:.3f} against DiLoCo's "
+            f"{dl.val[end][0]:.3f} ({(dc.val[end][0] - dl.val[end][0]) / dl.val[end][0]:+.2%}) "
+            f"with {dl.bytes_per_step / dc.bytes_per_step:.1f}x fewer bytes. Replica spread "
+            f"at step {end}: noloco {nl.spread_end:.2e}, noloco-topk {nc.spread_end:.2e}."
+            + wraps)
+    lines.append("- One seed, one run of each; differences of a fraction of a percent may "
+                 "be noise. A tiny model (so that 4 methods x 40 replicas x "
+                 f"{cfg.steps} steps fit in minutes on 2 shared cores): its chunks hold few "
+                 "values, so per-chunk scales and headers weigh more than on a large model.")
+    return "\n".join(lines)
+
+
+def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int,
+             total_s: float, has_plot: bool) -> str:
+    tables = "\n\n".join(f"**{t}**\n\n{md_table(h, rows)}" for t, h, rows in _tables(results, cfg))
+    tn, td = TOPK_NOLOCO, TOPK_DILOCO
+    setup = (
+        f"Replicas of a byte-level GPT (d_model {cfg.d_model}, {cfg.n_layers} layer, "
+        f"{cfg.n_heads} heads, context {cfg.context}, {n_params:,} parameters) on the stdlib "
+        f"corpus ({cfg.max_bytes / 1e6:g} MB), in one process with the real trainer and "
+        f"outer optimizers, no network. Equal compute: every method takes {cfg.steps} inner "
+        f"steps of batch {cfg.batch} per replica (AdamW, lr {cfg.lr:g}, {cfg.warmup_steps} "
+        f"warm-up steps, cosine to lr/10), outer step every H = {cfg.h}. noloco: pairs, "
+        f"η {NOLOCO.outer_lr}, heavy-ball μ {NOLOCO.momentum}, θ in bf16. noloco-topk: the "
+        f"same η, μ; frames of the error-fed θ − φ (β {tn.ef_decay}), top {tn.k} of every "
+        f"{tn.chunk} values ({tn.density:.2%}), {tn.value_bits}-bit values, the anchor's "
+        f"{tn.anchor_bits}-bit modulo codes at the sent indices (grid ±{tn.anchor_range:g}·max|m| "
+        f"per chunk). diloco: Nesterov η {DILOCO.outer_lr}, μ {DILOCO.momentum}, bf16. "
+        f"diloco-topk (SparseLoCo): EF β {td.ef_decay}, top {td.k}/{td.chunk}, "
+        f"{td.value_bits}-bit values, φ ← φ − mean of the frames (η 1, no outer momentum). "
+        f"Every frame is encoded and decoded (protocols/sparse.py); bytes per outer step are "
+        f"one peer's payload (module docstring of testnet/bench/compression.py for what an "
+        f"all-reduce or all-gather multiplies). Validation loss in nats/byte on "
+        f"{cfg.eval_batches}x{cfg.eval_batch} fixed windows, mean over replicas.")
+    image = ("![compression](compression.png)" if has_plot
+             else "(No plot: matplotlib is not installed; `pip install -e '.[bench]'`.)")
+    flag = " --quick" if quick else ""
+    return "\n\n".join([
+        "## Training: compressed exchange",
+        f"`node bench convergence --compression{flag}` on {machine()}; {total_s:.0f} s in all "
+        "(the machine's 2 cores shared with other work).",
+        setup, tables, image, "What the numbers show:\n\n" + _findings(results, cfg),
+        "Rerun: `node bench convergence --compression` (or `--quick`: 4 and 8 replicas, 120 "
+        "steps); it rewrites this section and docs/compression.png.",
+    ])
+
+
+def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
+        console: Console | None = None) -> list[Result]:
+    console = console or Console()
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    task = build_bench_task(cfg)
+    evaluator = Evaluator(task, cfg)
+    results = []
+    for n in cfg.replicas:
+        for method in METHODS:
+            r = run_method(method, n, task, cfg, evaluator)
+            results.append(r)
+            console.print(f"  {n} x {method}: {r.seconds:.0f} s, "
+                          f"{r.bytes_per_step:,.0f} B/outer step, "
+                          f"val {r.val.get(cfg.marks[-1], (float('nan'),))[0]:.3f}")
+    print_tables(console, _tables(results, cfg))
+    has_plot = plot(results, cfg, doc_path.parent / "compression.png")
+    total = time.perf_counter() - started
+    write_section("compression", _section(results, cfg, quick, evaluator.trainer.n_params,
+                                          total, has_plot), doc_path)
+    console.print(_findings(results, cfg))
+    console.print(f"wrote {doc_path}; {total:.0f} s in all")
+    return results
+
+
+def main(quick: bool = False, doc_path: Path | None = None) -> list[Result]:
+    """`node bench convergence --compression [--quick]`."""
+    return run(QUICK if quick else FULL, DOC if doc_path is None else Path(doc_path), quick)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    main(quick="--quick" in sys.argv[1:])
