@@ -69,7 +69,15 @@ class Bounds:
         if not MIN_VALUE_BITS <= self.max_value_bits <= MAX_VALUE_BITS:
             raise LocalProtocolError(f"max_value_bits must be in [2, 8], not {self.max_value_bits}")
         if not 0 <= self.max_anchor_bits <= MAX_ANCHOR_BITS:
-            raise LocalProtocolError(f"max_anchor_bits must be in [0, 16], not {self.max_anchor_bits}")
+            raise LocalProtocolError(
+                f"max_anchor_bits must be in [0, 16], not {self.max_anchor_bits}")
+
+
+def bounds_of(outer: object) -> Bounds:
+    """The Bounds a run's manifest sets (`manifest.outer`, its topk_max_* fields)."""
+    return Bounds(max_density=float(outer.topk_max_density),  # type: ignore[attr-defined]
+                  max_value_bits=int(outer.topk_max_bits),  # type: ignore[attr-defined]
+                  max_anchor_bits=int(outer.topk_max_anchor_bits))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,12 @@ and outer optimizers (node/ml/optim), no network (as `node bench convergence`). 
   default codec; the bench rounds θ to bf16 as the wire would);
 - noloco-topk: `CompressedNoLoCo`, the "topk" frame (protocols/sparse.py): top-k of the
   error-fed θ − φ per chunk of 4096, 2-bit values, the anchor's 4-bit modulo codes at the
-  sent indices; every frame goes through `sparse.encode` and `sparse.decode`;
+  sent indices, the unsent residual kept in the model (keep_residual); every frame goes
+  through `sparse.encode` and `sparse.decode`;
 - diloco: DiLoCo over all replicas (Nesterov, η 0.7, μ 0.9), pseudo-gradients in bf16;
 - diloco-topk: `CompressedDiLoCo` with SparseLoCo's rule (EF decay 0.95, no outer momentum,
-  η 1), the same frames without anchor codes: the SparseLoCo baseline.
+  η 1), the same frames without anchor codes: the SparseLoCo baseline;
+- none: no communication (the floor any exchange must beat; 0 bytes).
 
 Bytes per outer step: what one peer sends per outer step, its encoded payload (frames'
 actual lengths; bf16: 2 bytes a value). A pair exchange sends it once each way; an
@@ -22,7 +24,9 @@ all-reduce of n workers moves ~2(n-1)/n of it per worker (ring), an all-gather o
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,11 +41,11 @@ from protocols import codecs, sparse
 from testnet.bench.convergence import DILOCO, NOLOCO, replica_spread
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
-METHODS = ("noloco", "noloco-topk", "diloco", "diloco-topk")
+METHODS = ("noloco", "noloco-topk", "diloco", "diloco-topk", "none")
 COLORS = {"noloco": "tab:blue", "noloco-topk": "tab:cyan", "diloco": "tab:orange",
-          "diloco-topk": "tab:red"}
+          "diloco-topk": "tab:red", "none": "tab:gray"}
 TOPK_NOLOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=1.0,
-                         anchor_bits=4, anchor_range=4.0)
+                         anchor_bits=2, anchor_range=4.0, keep_residual=1.0)
 TOPK_DILOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=0.95,
                          anchor_bits=0)
 BOUNDS = sparse.Bounds(max_density=1 / 16, max_value_bits=4, max_anchor_bits=8)
@@ -151,7 +155,7 @@ def run_method(method: str, n: int, task: Task, cfg: BenchConfig, evaluator: Eva
         except TrainingDiverged:
             res.diverged_at = step
             break
-        if step % cfg.h == 0:
+        if step % cfg.h == 0 and method != "none":
             thetas = [t.parameters_vector() for t in trainers]
             rnd = step // cfg.h - 1
             outer_steps += 1
@@ -181,7 +185,7 @@ def run_method(method: str, n: int, task: Task, cfg: BenchConfig, evaluator: Eva
                 phi = dil.outer_step([_bf16(dil.pseudo_gradient(th)) for th in thetas])
                 for t in trainers:
                     t.set_parameters_vector(phi)
-            else:
+            elif method == "diloco-topk":
                 wired = [_wire(opt.prepare(th)) for opt, th in zip(dilc, thetas, strict=True)]
                 sent += sum(size for _, size in wired)
                 frames = [f for f, _ in wired]
@@ -194,7 +198,7 @@ def run_method(method: str, n: int, task: Task, cfg: BenchConfig, evaluator: Eva
             if step == cfg.marks[-1]:
                 res.spread_end = replica_spread(vectors)
     res.seconds = time.perf_counter() - started
-    res.bytes_per_step = sent / max(1, outer_steps * n)
+    res.bytes_per_step = sent / max(1, outer_steps * n)  # none: 0
     return res
 
 
@@ -215,7 +219,10 @@ def _count_wraps(res: Result, frame: sparse.Frame, sender_phi: torch.Tensor,
 # ------------------------------------------------------------------------------------------
 
 
-def _tables(results: list[Result], cfg: BenchConfig) -> list[tuple[str, list[str], list[list[str]]]]:
+Table = tuple[str, list[str], list[list[str]]]
+
+
+def _tables(results: list[Result], cfg: BenchConfig) -> list[Table]:
     headers = ["replicas", "method", "bytes / outer step", "vs bf16",
                *[f"val @ {s}" for s in cfg.marks], f"vs noloco @ {cfg.marks[-1]}", "train s"]
     rows = []
@@ -228,7 +235,9 @@ def _tables(results: list[Result], cfg: BenchConfig) -> list[tuple[str, list[str
                 if end and cfg.marks[-1] in base.val else float("nan")
             rows.append([str(n), r.method + (f" (diverged at {r.diverged_at})"
                                               if r.diverged_at else ""),
-                         f"{r.bytes_per_step:,.0f}", f"{base.bytes_per_step / r.bytes_per_step:.1f}x",
+                         f"{r.bytes_per_step:,.0f}",
+                         f"{base.bytes_per_step / r.bytes_per_step:.1f}x"
+                         if r.bytes_per_step else "-",
                          *[f"{r.val[s][0]:.3f}" if s in r.val else "-" for s in cfg.marks],
                          f"{gap:+.2%}", f"{r.seconds:.0f}"])
     return [("bytes per outer step (one peer's payload) and validation loss, nats/byte",
@@ -244,7 +253,7 @@ def plot(results: list[Result], cfg: BenchConfig, path: Path) -> bool:
         for r in (r for r in results if r.replicas == n):
             steps = sorted(r.val)
             ax.plot(steps, [r.val[s][0] for s in steps], marker="o", color=COLORS[r.method],
-                    label=f"{r.method} ({r.bytes_per_step / 1e3:.1f} kB/step)")
+                    label=f"{r.method} ({r.bytes_per_step / 1e3:.2f} kB/outer step)")
             ax.fill_between(steps, [r.val[s][1] for s in steps], [r.val[s][2] for s in steps],
                             color=COLORS[r.method], alpha=0.12)
         ax.set(xlabel="inner step", ylabel="validation loss (nats/byte)",
@@ -254,6 +263,7 @@ def plot(results: list[Result], cfg: BenchConfig, path: Path) -> bool:
     ax = axes[-1]
     n = cfg.replicas[-1]
     group = [r for r in results if r.replicas == n]
+    group = [r for r in group if r.bytes_per_step]
     ax.bar([r.method for r in group], [r.bytes_per_step for r in group],
            color=[COLORS[r.method] for r in group])
     ax.set(yscale="log", ylabel="bytes per outer step (one peer)",
@@ -275,7 +285,7 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
         if any(end not in r.val for r in by.values()):
             lines.append(f"- **{n} replicas**: a method diverged; see the table.")
             continue
-        nl, nc, dl, dc = (by[m] for m in METHODS)
+        nl, nc, dl, dc, none = (by[m] for m in METHODS)
         ratio = nl.bytes_per_step / nc.bytes_per_step
         gap = (nc.val[end][0] - nl.val[end][0]) / nl.val[end][0]
         goal = ratio >= 50 and gap <= 0.01
@@ -289,10 +299,12 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
             f"SparseLoCo (diloco-topk) ends at {dc.val[end][0]:.3f} against DiLoCo's "
             f"{dl.val[end][0]:.3f} ({(dc.val[end][0] - dl.val[end][0]) / dl.val[end][0]:+.2%}) "
             f"with {dl.bytes_per_step / dc.bytes_per_step:.1f}x fewer bytes. Replica spread "
-            f"at step {end}: noloco {nl.spread_end:.2e}, noloco-topk {nc.spread_end:.2e}."
+            f"at step {end}: noloco {nl.spread_end:.2e}, noloco-topk {nc.spread_end:.2e}, "
+            f"none {none.spread_end:.2e}. No communication ends at {none.val[end][0]:.3f} "
+            f"({(none.val[end][0] - nl.val[end][0]) / nl.val[end][0]:+.2%} from bf16 NoLoCo)."
             + wraps)
     lines.append("- One seed, one run of each; differences of a fraction of a percent may "
-                 "be noise. A tiny model (so that 4 methods x 40 replicas x "
+                 "be noise. A tiny model (so that 5 methods x 40 replicas x "
                  f"{cfg.steps} steps fit in minutes on 2 shared cores): its chunks hold few "
                  "values, so per-chunk scales and headers weigh more than on a large model.")
     return "\n".join(lines)
@@ -312,10 +324,12 @@ def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int
         f"η {NOLOCO.outer_lr}, heavy-ball μ {NOLOCO.momentum}, θ in bf16. noloco-topk: the "
         f"same η, μ; frames of the error-fed θ − φ (β {tn.ef_decay}), top {tn.k} of every "
         f"{tn.chunk} values ({tn.density:.2%}), {tn.value_bits}-bit values, the anchor's "
-        f"{tn.anchor_bits}-bit modulo codes at the sent indices (grid ±{tn.anchor_range:g}·max|m| "
-        f"per chunk). diloco: Nesterov η {DILOCO.outer_lr}, μ {DILOCO.momentum}, bf16. "
+        f"{tn.anchor_bits}-bit modulo codes at the sent indices (grid "
+        f"±{tn.anchor_range:g}·max|m| per chunk), the unsent residual left in the model "
+        f"(θ ← φ + e). diloco: Nesterov η {DILOCO.outer_lr}, μ {DILOCO.momentum}, bf16. "
         f"diloco-topk (SparseLoCo): EF β {td.ef_decay}, top {td.k}/{td.chunk}, "
-        f"{td.value_bits}-bit values, φ ← φ − mean of the frames (η 1, no outer momentum). "
+        f"{td.value_bits}-bit values, φ ← φ − mean of the frames (η 1, no outer momentum), "
+        f"θ ← φ. none: no communication. "
         f"Every frame is encoded and decoded (protocols/sparse.py); bytes per outer step are "
         f"one peer's payload (module docstring of testnet/bench/compression.py for what an "
         f"all-reduce or all-gather multiplies). Validation loss in nats/byte on "
@@ -326,29 +340,42 @@ def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int
     return "\n\n".join([
         "## Training: compressed exchange",
         f"`node bench convergence --compression{flag}` on {machine()}; {total_s:.0f} s in all "
-        "(the machine's 2 cores shared with other work).",
+        "(2 worker processes, one thread each; the machine's 2 cores shared with other work, "
+        "so `train s` measures the load as much as the method).",
         setup, tables, image, "What the numbers show:\n\n" + _findings(results, cfg),
         "Rerun: `node bench convergence --compression` (or `--quick`: 4 and 8 replicas, 120 "
         "steps); it rewrites this section and docs/compression.png.",
     ])
 
 
-def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
-        console: Console | None = None) -> list[Result]:
-    console = console or Console()
-    started = time.perf_counter()
+def _job(cfg: BenchConfig, method: str, n: int) -> Result:
+    """One (method, replicas) run in a worker process (its own task and evaluator)."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     task = build_bench_task(cfg)
-    evaluator = Evaluator(task, cfg)
-    results = []
-    for n in cfg.replicas:
-        for method in METHODS:
-            r = run_method(method, n, task, cfg, evaluator)
-            results.append(r)
-            console.print(f"  {n} x {method}: {r.seconds:.0f} s, "
+    return run_method(method, n, task, cfg, Evaluator(task, cfg))
+
+
+def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
+        console: Console | None = None, workers: int = 2) -> list[Result]:
+    """Every (replicas, method) run, `workers` at a time (one process each, one thread
+    each: the runs are independent, and the machine has 2 cores), largest first."""
+    console = console or Console()
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    jobs = sorted(((n, m) for n in cfg.replicas for m in METHODS), key=lambda j: -j[0])
+    done: dict[tuple[int, str], Result] = {}
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {pool.submit(_job, cfg, m, n): (n, m) for n, m in jobs}
+        for fut in as_completed(futures):
+            r = fut.result()
+            done[futures[fut]] = r
+            console.print(f"  {r.replicas} x {r.method}: {r.seconds:.0f} s, "
                           f"{r.bytes_per_step:,.0f} B/outer step, "
                           f"val {r.val.get(cfg.marks[-1], (float('nan'),))[0]:.3f}")
+    results = [done[(n, m)] for n in cfg.replicas for m in METHODS]
+    evaluator = Evaluator(build_bench_task(cfg), cfg)
     print_tables(console, _tables(results, cfg))
     has_plot = plot(results, cfg, doc_path.parent / "compression.png")
     total = time.perf_counter() - started

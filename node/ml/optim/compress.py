@@ -44,9 +44,10 @@ class TopKConfig:
     ef_decay: float = 1.0  # β: e ← β·e + Δ
     anchor_bits: int = 4  # NoLoCo's anchor codes at the sent indices (0: no anchor pull)
     anchor_range: float = 4.0  # κ: the anchor grid covers ±κ·max|m| of the chunk
-    # True: the unsent residual stays in the model (θ ← φ ± e) instead of only in e, so
-    # the next inner phase starts from this replica's own progress; e is then θ − φ itself
-    keep_residual: bool = False
+    # λ in [0, 1]: the model continues from φ ± λ·e instead of φ, so the next inner phase
+    # starts from (part of) this replica's own unsent progress; e still holds all of it
+    # and θ − φ ∓ λ·e_prev is the new progress (nothing is counted twice). 0: SparseLoCo's θ ← φ
+    keep_residual: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunk & (self.chunk - 1) or not 64 <= self.chunk <= 65536:
@@ -55,8 +56,8 @@ class TopKConfig:
             raise ValueError(f"density must keep at least one value per chunk: {self.density}")
         if not sparse.MIN_VALUE_BITS <= self.value_bits <= sparse.MAX_VALUE_BITS:
             raise ValueError(f"value_bits must be in [2, 8], got {self.value_bits}")
-        if self.keep_residual and self.ef_decay != 1:
-            raise ValueError("keep_residual needs ef_decay 1 (the residual is in the model)")
+        if not 0 <= self.keep_residual <= 1:
+            raise ValueError(f"keep_residual must be in [0, 1], got {self.keep_residual}")
         if not 0 < self.ef_decay <= 1:
             raise ValueError(f"ef_decay must be in (0, 1], got {self.ef_decay}")
         if not (self.anchor_bits == 0 or 2 <= self.anchor_bits <= 16):
@@ -149,8 +150,8 @@ class CompressedNoLoCo:
         theta = as_flat_fp32(theta_local, like=self.phi, what="theta_local")
         with_anchor = self.topk.anchor_bits > 0
         delta = theta - self.phi
-        if self.topk.keep_residual:  # θ started at φ + e: θ − φ already holds e
-            delta.sub_(self.ef.e)
+        if self.topk.keep_residual:  # θ started at φ + λe: θ − φ already holds λe
+            delta.sub_(self.ef.e, alpha=self.topk.keep_residual)
         return self.ef.compress(delta, anchor=self.phi if with_anchor else None,
                                 eps=self.anchor_grid() if with_anchor else None)
 
@@ -177,8 +178,9 @@ class CompressedNoLoCo:
         return self.model_weights()
 
     def model_weights(self) -> torch.Tensor:
-        """What the model continues from: φ, or φ + e with keep_residual (a new tensor)."""
-        return self.phi + self.ef.e if self.topk.keep_residual else self.phi
+        """What the model continues from: φ, or φ + λ·e with keep_residual λ (a new tensor)."""
+        lam = self.topk.keep_residual
+        return self.phi.add(self.ef.e, alpha=lam) if lam else self.phi
 
 
 #: SparseLoCo's outer rule: no outer momentum (error feedback stands in for it), η 1.
@@ -201,8 +203,8 @@ class CompressedDiLoCo:
         """This worker's frame: the error-fed top-k of Δ = φ − θ (no anchor: φ is shared)."""
         theta = as_flat_fp32(theta_local, like=self.phi, what="theta_local")
         delta = self.phi - theta
-        if self.topk.keep_residual:  # θ started at φ − e
-            delta.sub_(self.ef.e)
+        if self.topk.keep_residual:  # θ started at φ − λe
+            delta.sub_(self.ef.e, alpha=self.topk.keep_residual)
         return self.ef.compress(delta)
 
     def outer_step(self, frames: Sequence[sparse.Frame]) -> torch.Tensor:
@@ -216,4 +218,5 @@ class CompressedDiLoCo:
                       outer_lr=self.config.outer_lr, momentum=self.config.momentum,
                       nesterov=self.config.nesterov)
         self.rounds += 1
-        return self.phi - self.ef.e if self.topk.keep_residual else self.phi
+        lam = self.topk.keep_residual
+        return self.phi.sub(self.ef.e, alpha=lam) if lam else self.phi
