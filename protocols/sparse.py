@@ -11,7 +11,9 @@ information (a Wyner-Ziv / modulo quantizer), which is exact to eps/2 while the 
 differ by less than eps * (2^(anchor_bits - 1) - 1/2) and bounded otherwise.
 
     frame (little-endian):
-      "PTK1" | value_bits u8 | anchor_bits u8 (0: none) | 0 u16 | numel u32 | chunk u32 | k u32
+      "PTK1" | value_bits u8 | anchor_bits u8 (0: none) | flags u16 | numel u32 | chunk u32 | k u32
+      flags: bit 0 set = the entries are orthonormal DCT-II coefficients of each chunk (the
+      receiver inverts the transform); every other bit must be 0
       per chunk: lo f32, hi f32, [eps f32 when anchor_bits]
       indices:  n_kept x log2(chunk) bits, packed LSB first, padded to a byte
       values:   n_kept x value_bits bits, the same
@@ -28,6 +30,7 @@ Everything refused is a RemoteProtocolError; our own misuse is a LocalProtocolEr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 from collections.abc import Sequence
@@ -50,6 +53,7 @@ MIN_VALUE_BITS: Final = 2  # a sign and at least one magnitude bit
 MAX_VALUE_BITS: Final = 8
 MAX_ANCHOR_BITS: Final = 16
 MAX_NUMEL: Final = (1 << 32) - 1
+FLAG_DCT: Final = 1  # header flags: the entries are DCT-II coefficients of their chunk
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,10 @@ class Frame:
     values: torch.Tensor
     eps: np.ndarray | None = None
     anchor_codes: np.ndarray | None = None  # int64, in [0, 2**anchor_bits)
+    dct: bool = False  # entries are orthonormal DCT-II coefficients of each chunk
+
+    def with_dct(self, dct: bool) -> Frame:
+        return dataclasses.replace(self, dct=dct)
 
     @property
     def density(self) -> float:
@@ -219,7 +227,8 @@ def _frame(numel: int, chunk: int, k: int, value_bits: int, anchor_bits: int,
 def encode(frame: Frame) -> bytes:
     """The frame's bytes (exactly `encoded_size(...)` of them)."""
     nc = n_chunks(frame.numel, frame.chunk)
-    head = _HEADER.pack(MAGIC, frame.value_bits, frame.anchor_bits, 0, frame.numel,
+    head = _HEADER.pack(MAGIC, frame.value_bits, frame.anchor_bits, FLAG_DCT * frame.dct,
+                        frame.numel,
                         frame.chunk, frame.k)
     cols = [frame.lo, frame.hi] + ([frame.eps] if frame.anchor_bits else [])
     scales = np.stack([np.asarray(c, dtype="<f4") for c in cols], axis=1).reshape(nc * len(cols))
@@ -245,8 +254,8 @@ def check_header(payload: bytes | bytearray | memoryview, numel: int, bounds: Bo
     view = memoryview(payload).cast("B")
     if len(view) < HEADER_SIZE:
         raise RemoteProtocolError(f"topk frame of {len(view)} bytes is shorter than its header")
-    magic, vbits, abits, reserved, n, chunk, k = _HEADER.unpack_from(view)
-    if magic != MAGIC or reserved != 0:
+    magic, vbits, abits, flags, n, chunk, k = _HEADER.unpack_from(view)
+    if magic != MAGIC or flags & ~FLAG_DCT:
         raise RemoteProtocolError("not a topk v1 frame")
     if n != numel:
         raise RemoteProtocolError(f"topk frame of {n} values; {numel} were expected")
@@ -270,6 +279,7 @@ def decode(payload: bytes | bytearray | memoryview, numel: int, bounds: Bounds) 
     """A peer's frame, checked (module docstring): RemoteProtocolError for anything refused."""
     vbits, abits, chunk, k = check_header(payload, numel, bounds)
     view = memoryview(payload).cast("B")
+    dct = bool(_HEADER.unpack_from(view)[3] & FLAG_DCT)
     nc = n_chunks(numel, chunk)
     ncols = 3 if abits else 2
     off = HEADER_SIZE
@@ -308,7 +318,7 @@ def decode(payload: bytes | bytearray | memoryview, numel: int, bounds: Bounds) 
                    a_codes)
     if not _codecs.all_finite(frame.values):
         raise RemoteProtocolError("topk values overflow")
-    return frame
+    return frame.with_dct(dct)
 
 
 def anchor_estimate(frame: Frame, own: torch.Tensor) -> torch.Tensor:

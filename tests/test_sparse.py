@@ -156,7 +156,7 @@ def test_header_fields_outside_the_runs_bounds_are_refused() -> None:
 
 
 @pytest.mark.parametrize(("offset", "fmt", "value", "match"), [
-    (0, "<4s", b"XXXX", "not a topk"), (6, "<H", 1, "not a topk"),
+    (0, "<4s", b"XXXX", "not a topk"), (6, "<H", 2, "not a topk"),
     (4, "<B", 1, "value bits"), (4, "<B", 9, "value bits"), (5, "<B", 1, "anchor bits"),
     (8, "<I", 999, "values; 1000"), (12, "<I", 100, "power of two"), (12, "<I", 32, "power"),
     (16, "<I", 0, "k must"), (16, "<I", 257, "k must"),
@@ -297,3 +297,29 @@ def test_compressed_diloco_workers_agree_on_phi() -> None:
     assert all(torch.equal(o, outs[0]) for o in outs)
     mean = sum(f.to_dense() for f in frames) / 3
     torch.testing.assert_close(outs[0], init - mean)  # SparseLoCo: η 1, no momentum
+
+
+def test_dct_frames_round_trip_their_flag_and_the_transform_is_orthonormal() -> None:
+    from node.ml.optim.compress import ChunkDCT
+
+    g = torch.Generator().manual_seed(8)
+    v = torch.randn(64 * 3 + 10, generator=g)
+    t = ChunkDCT(64)
+    c = t.forward(v)
+    torch.testing.assert_close(t.inverse(c), v, rtol=0, atol=1e-5)
+    torch.testing.assert_close(c.norm(), v.norm())
+    # a smooth vector's energy sits in few coefficients: what the DCT is for
+    ramp = torch.linspace(0, 1, 64)
+    assert float(t.forward(ramp)[:4].pow(2).sum() / ramp.pow(2).sum()) > 0.99
+    cfg = TopKConfig(chunk=64, density=1 / 8, anchor_bits=2, dct=True, keep_residual=1.0)
+    a = CompressedNoLoCo(v, NoLoCoConfig(), cfg)
+    frame = a.prepare(v + 0.1 * torch.randn(v.numel(), generator=g))
+    assert frame.dct
+    back = sparse.decode(sparse.encode(frame), v.numel(), BOUNDS)
+    assert back.dct and torch.equal(back.values, frame.values)
+    # the residual, mapped back to the weights, plus what was sent is the whole step
+    sent = t.inverse(frame.to_dense())
+    before = a.phi.clone()
+    weights = a.outer_step(frame)
+    torch.testing.assert_close(weights, before + 0.7 * sent + t.inverse(a.ef.e), rtol=0,
+                               atol=1e-5)

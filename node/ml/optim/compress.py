@@ -48,6 +48,9 @@ class TopKConfig:
     # starts from (part of) this replica's own unsent progress; e still holds all of it
     # and θ − φ ∓ λ·e_prev is the new progress (nothing is counted twice). 0: SparseLoCo's θ ← φ
     keep_residual: float = 0.0
+    # True: select and send in each chunk's orthonormal DCT-II domain (DeMo's transform,
+    # on flat chunks): the error feedback and the anchor codes live there too
+    dct: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk & (self.chunk - 1) or not 64 <= self.chunk <= 65536:
@@ -91,6 +94,43 @@ def topk_indices(vec: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
+class ChunkDCT:
+    """Orthonormal DCT-II of every chunk of a flat vector (matrices cached by length; the
+    inverse is the transpose). O(chunk) work per value: fine for benches and GPUs; a CPU
+    peer with a large model would want an FFT-based DCT."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self._mats: dict[int, torch.Tensor] = {}
+
+    def _mat(self, n: int) -> torch.Tensor:
+        if n not in self._mats:
+            k = torch.arange(n, dtype=torch.float64)[:, None]
+            i = torch.arange(n, dtype=torch.float64)[None, :]
+            m = torch.cos(torch.pi / n * (i + 0.5) * k) * (2 / n) ** 0.5
+            m[0] /= 2**0.5
+            self._mats[n] = m.float()
+        return self._mats[n]
+
+    def _apply(self, v: torch.Tensor, inverse: bool) -> torch.Tensor:
+        n, c = v.numel(), self.chunk
+        full = n - n % c
+        out = torch.empty_like(v)
+        if full:
+            m = self._mat(c)
+            out[:full] = (v[:full].view(-1, c) @ (m if inverse else m.T)).reshape(-1)
+        if full < n:
+            m = self._mat(n - full)
+            out[full:] = (m.T if inverse else m) @ v[full:]
+        return out
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return self._apply(v, inverse=False)
+
+    def inverse(self, v: torch.Tensor) -> torch.Tensor:
+        return self._apply(v, inverse=True)
+
+
 class ErrorFeedback:
     """The residual of what was not sent, added to the next round's vector (pure state)."""
 
@@ -112,7 +152,7 @@ class ErrorFeedback:
             anchor=None if anchor is None else anchor[idx], eps=eps,
             anchor_bits=c.anchor_bits if anchor is not None else 0)
         self.e[idx] -= frame.values  # only the sent indices change: the rest carries on
-        return frame
+        return frame.with_dct(c.dct)
 
 
 def _chunk_absmax(vec: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -138,12 +178,24 @@ class CompressedNoLoCo:
         self.phi = as_flat_fp32(params, what="initial parameters").clone()
         self.m = torch.zeros_like(self.phi)
         self.ef = ErrorFeedback(self.phi.numel(), self.topk)
+        self.dct = ChunkDCT(self.topk.chunk)
         self.rounds = 0
+
+    def _fwd(self, v: torch.Tensor) -> torch.Tensor:
+        return self.dct.forward(v) if self.topk.dct else v
+
+    def _raw(self, v: torch.Tensor, frame: sparse.Frame) -> torch.Tensor:
+        return self.dct.inverse(v) if frame.dct else v
+
+    def _residual(self) -> torch.Tensor:
+        """e in the weights' domain."""
+        return self.dct.inverse(self.ef.e) if self.topk.dct else self.ef.e
 
     def anchor_grid(self) -> torch.Tensor:
         """eps per chunk: the 2^a codes span ±κ·max|m| of the chunk (0 before any step)."""
         c = self.topk
-        return _chunk_absmax(self.m, c.chunk) * (2 * c.anchor_range / (1 << c.anchor_bits))
+        return _chunk_absmax(self._fwd(self.m), c.chunk) * (2 * c.anchor_range
+                                                          / (1 << c.anchor_bits))
 
     def prepare(self, theta_local: torch.Tensor) -> sparse.Frame:
         """This round's frame: the error-fed top-k of θ − φ, with φ's codes at its indices."""
@@ -151,20 +203,25 @@ class CompressedNoLoCo:
         with_anchor = self.topk.anchor_bits > 0
         delta = theta - self.phi
         if self.topk.keep_residual:  # θ started at φ + λe: θ − φ already holds λe
-            delta.sub_(self.ef.e, alpha=self.topk.keep_residual)
-        return self.ef.compress(delta, anchor=self.phi if with_anchor else None,
+            delta.sub_(self._residual(), alpha=self.topk.keep_residual)
+        return self.ef.compress(self._fwd(delta),
+                                anchor=self._fwd(self.phi) if with_anchor else None,
                                 eps=self.anchor_grid() if with_anchor else None)
 
     def direction(self, own: sparse.Frame, received: Sequence[sparse.Frame]) -> torch.Tensor:
         """(C_self + Σ C_p + Σ [φ̂_p − φ]_{I_p}) / |G|: NoLoCo's θ̄ − φ, compressed."""
-        total = own.to_dense()
+        total = self._raw(own.to_dense(), own)
+        phi_dct = self.dct.forward(self.phi) if any(f.dct for f in received) else None
         for f in received:
-            if f.numel != total.numel():
-                raise ValueError(f"frame of {f.numel} values; expected {total.numel()}")
-            total.index_add_(0, f.indices, f.values)
+            if f.numel != total.numel() or (f.dct and f.chunk != self.topk.chunk):
+                raise ValueError(f"frame of {f.numel} values (chunk {f.chunk}); expected "
+                                 f"{total.numel()} (chunk {self.topk.chunk})")
+            part = f.to_dense()
             if f.anchor_bits:
-                pull = sparse.anchor_estimate(f, self.phi) - self.phi[f.indices]
-                total.index_add_(0, f.indices, pull)
+                side = phi_dct if f.dct else self.phi
+                assert side is not None
+                part.index_add_(0, f.indices, sparse.anchor_estimate(f, side) - side[f.indices])
+            total.add_(self._raw(part, f))
         return total.div_(1 + len(received))
 
     def outer_step(self, own: sparse.Frame,
@@ -180,7 +237,7 @@ class CompressedNoLoCo:
     def model_weights(self) -> torch.Tensor:
         """What the model continues from: φ, or φ + λ·e with keep_residual λ (a new tensor)."""
         lam = self.topk.keep_residual
-        return self.phi.add(self.ef.e, alpha=lam) if lam else self.phi
+        return self.phi.add(self._residual(), alpha=lam) if lam else self.phi
 
 
 #: SparseLoCo's outer rule: no outer momentum (error feedback stands in for it), η 1.
@@ -197,15 +254,19 @@ class CompressedDiLoCo:
         self.phi = as_flat_fp32(params, what="initial parameters").clone()
         self.m = torch.zeros_like(self.phi)
         self.ef = ErrorFeedback(self.phi.numel(), self.topk)
+        self.dct = ChunkDCT(self.topk.chunk)
         self.rounds = 0
+
+    def _residual(self) -> torch.Tensor:
+        return self.dct.inverse(self.ef.e) if self.topk.dct else self.ef.e
 
     def prepare(self, theta_local: torch.Tensor) -> sparse.Frame:
         """This worker's frame: the error-fed top-k of Δ = φ − θ (no anchor: φ is shared)."""
         theta = as_flat_fp32(theta_local, like=self.phi, what="theta_local")
         delta = self.phi - theta
         if self.topk.keep_residual:  # θ started at φ − λe
-            delta.sub_(self.ef.e, alpha=self.topk.keep_residual)
-        return self.ef.compress(delta)
+            delta.sub_(self._residual(), alpha=self.topk.keep_residual)
+        return self.ef.compress(self.dct.forward(delta) if self.topk.dct else delta)
 
     def outer_step(self, frames: Sequence[sparse.Frame]) -> torch.Tensor:
         """The mean of every worker's frame (this one's included), then DiLoCo's step."""
@@ -213,10 +274,10 @@ class CompressedDiLoCo:
             raise ValueError("frames is empty: pass at least this worker's own")
         total = torch.zeros_like(self.phi)
         for f in frames:
-            total.index_add_(0, f.indices, f.values)
+            total.add_(self.dct.inverse(f.to_dense()) if f.dct else f.to_dense())
         diloco_update(self.phi, self.m, total.div_(len(frames)),
                       outer_lr=self.config.outer_lr, momentum=self.config.momentum,
                       nesterov=self.config.nesterov)
         self.rounds += 1
         lam = self.topk.keep_residual
-        return self.phi.sub(self.ef.e, alpha=lam) if lam else self.phi
+        return self.phi.sub(self._residual(), alpha=lam) if lam else self.phi
