@@ -24,10 +24,13 @@ all-reduce of n workers moves ~2(n-1)/n of it per worker (ring), an all-gather o
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -311,7 +314,7 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
 
 
 def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int,
-             total_s: float, has_plot: bool) -> str:
+             total_s: float, has_plot: bool, workers: int) -> str:
     tables = "\n\n".join(f"**{t}**\n\n{md_table(h, rows)}" for t, h, rows in _tables(results, cfg))
     tn, td = TOPK_NOLOCO, TOPK_DILOCO
     setup = (
@@ -340,34 +343,65 @@ def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int
     return "\n\n".join([
         "## Training: compressed exchange",
         f"`node bench convergence --compression{flag}` on {machine()}; {total_s:.0f} s in all "
-        "(2 worker processes, one thread each; the machine's 2 cores shared with other work, "
-        "so `train s` measures the load as much as the method).",
+        f"({workers} worker processes, one thread each; the machine's cores shared with other "
+        "work, so `train s` measures the load as much as the method).",
         setup, tables, image, "What the numbers show:\n\n" + _findings(results, cfg),
         "Rerun: `node bench convergence --compression` (or `--quick`: 4 and 8 replicas, 120 "
         "steps); it rewrites this section and docs/compression.png.",
     ])
 
 
-def _job(cfg: BenchConfig, method: str, n: int) -> Result:
-    """One (method, replicas) run in a worker process (its own task and evaluator)."""
+def _job(cfg: BenchConfig, method: str, n: int, cache: Path | None) -> Result:
+    """One (method, replicas) run in a worker process (its own task and evaluator); its
+    result is saved in `cache` as soon as it is done, so an interrupted bench resumes."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     task = build_bench_task(cfg)
-    return run_method(method, n, task, cfg, Evaluator(task, cfg))
+    res = run_method(method, n, task, cfg, Evaluator(task, cfg))
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"{n}-{method}.json").write_text(json.dumps(asdict(res)))
+    return res
+
+
+def _cached(cache: Path | None, n: int, method: str) -> Result | None:
+    path = None if cache is None else cache / f"{n}-{method}.json"
+    if path is None or not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    doc["val"] = {int(k): tuple(v) for k, v in doc["val"].items()}
+    return Result(**doc)
+
+
+def cache_dir(cfg: BenchConfig) -> Path:
+    """Where a configuration's finished runs are kept (keyed by the config and the topk
+    settings, so a changed bench never reuses old numbers)."""
+    key = hashlib.sha256(repr((cfg, TOPK_NOLOCO, TOPK_DILOCO, NOLOCO, DILOCO)).encode())
+    return Path(tempfile.gettempdir()) / f"peertrain-compression-{key.hexdigest()[:12]}"
 
 
 def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
-        console: Console | None = None, workers: int = 2) -> list[Result]:
+        console: Console | None = None, workers: int = 2, resume: bool = True
+        ) -> list[Result]:
     """Every (replicas, method) run, `workers` at a time (one process each, one thread
-    each: the runs are independent, and the machine has 2 cores), largest first."""
+    each: the runs are independent), largest first; finished runs of the same
+    configuration are reused when `resume` (cache_dir)."""
     console = console or Console()
     started = time.perf_counter()
     torch.set_num_threads(1)
-    jobs = sorted(((n, m) for n in cfg.replicas for m in METHODS), key=lambda j: -j[0])
+    cache = cache_dir(cfg) if resume else None
     done: dict[tuple[int, str], Result] = {}
+    for n in cfg.replicas:
+        for m in METHODS:
+            hit = _cached(cache, n, m)
+            if hit is not None:
+                done[(n, m)] = hit
+                console.print(f"  {n} x {m}: reused from {cache}")
+    jobs = sorted(((n, m) for n in cfg.replicas for m in METHODS if (n, m) not in done),
+                  key=lambda j: -j[0])
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_job, cfg, m, n): (n, m) for n, m in jobs}
+        futures = {pool.submit(_job, cfg, m, n, cache): (n, m) for n, m in jobs}
         for fut in as_completed(futures):
             r = fut.result()
             done[futures[fut]] = r
@@ -380,15 +414,16 @@ def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
     has_plot = plot(results, cfg, doc_path.parent / "compression.png")
     total = time.perf_counter() - started
     write_section("compression", _section(results, cfg, quick, evaluator.trainer.n_params,
-                                          total, has_plot), doc_path)
+                                          total, has_plot, workers), doc_path)
     console.print(_findings(results, cfg))
     console.print(f"wrote {doc_path}; {total:.0f} s in all")
     return results
 
 
-def main(quick: bool = False, doc_path: Path | None = None) -> list[Result]:
-    """`node bench convergence --compression [--quick]`."""
-    return run(QUICK if quick else FULL, DOC if doc_path is None else Path(doc_path), quick)
+def main(quick: bool = False, doc_path: Path | None = None, workers: int = 2) -> list[Result]:
+    """`node bench convergence --compression [--quick] [--workers N]`."""
+    return run(QUICK if quick else FULL, DOC if doc_path is None else Path(doc_path), quick,
+               workers=workers)
 
 
 if __name__ == "__main__":  # pragma: no cover
