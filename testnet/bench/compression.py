@@ -14,7 +14,8 @@ and outer optimizers (node/ml/optim), no network (as `node bench convergence`). 
 - diloco: DiLoCo over all replicas (Nesterov, η 0.7, μ 0.9), pseudo-gradients in bf16;
 - diloco-topk: `CompressedDiLoCo` with SparseLoCo's rule (EF decay 0.95, no outer momentum,
   η 1), the same frames without anchor codes: the SparseLoCo baseline;
-- none: no communication (the floor any exchange must beat; 0 bytes).
+- none: no communication (the floor any exchange must beat; 0 bytes), at the smallest
+  replica count only (independent replicas: the mean does not depend on their number).
 
 Bytes per outer step: what one peer sends per outer step, its encoded payload (frames'
 actual lengths; bf16: 2 bytes a value). A pair exchange sends it once each way; an
@@ -30,7 +31,7 @@ import multiprocessing
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,6 +90,12 @@ class Result:
     anchor_codes: int = 0
     seconds: float = 0.0
     diverged_at: int | None = None
+
+
+def methods(cfg: BenchConfig, n: int) -> tuple[str, ...]:
+    """The methods run with n replicas: "none" only at the smallest n (its replicas never
+    meet, so the mean over them does not depend on how many there are)."""
+    return METHODS if n == min(cfg.replicas) else METHODS[:-1]
 
 
 def build_bench_task(cfg: BenchConfig) -> Task:
@@ -280,6 +287,10 @@ def plot(results: list[Result], cfg: BenchConfig, path: Path) -> bool:
     return True
 
 
+def _rel(a: Result, b: Result, step: int) -> float:
+    return (a.val[step][0] - b.val[step][0]) / b.val[step][0]
+
+
 def _findings(results: list[Result], cfg: BenchConfig) -> str:
     end = cfg.marks[-1]
     lines = []
@@ -288,7 +299,8 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
         if any(end not in r.val for r in by.values()):
             lines.append(f"- **{n} replicas**: a method diverged; see the table.")
             continue
-        nl, nc, dl, dc, none = (by[m] for m in METHODS)
+        nl, nc, dl, dc = (by[m] for m in METHODS[:-1])
+        none = by.get("none") or next((r for r in results if r.method == "none"), None)
         ratio = nl.bytes_per_step / nc.bytes_per_step
         gap = (nc.val[end][0] - nl.val[end][0]) / nl.val[end][0]
         goal = ratio >= 50 and gap <= 0.01
@@ -302,9 +314,10 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
             f"SparseLoCo (diloco-topk) ends at {dc.val[end][0]:.3f} against DiLoCo's "
             f"{dl.val[end][0]:.3f} ({(dc.val[end][0] - dl.val[end][0]) / dl.val[end][0]:+.2%}) "
             f"with {dl.bytes_per_step / dc.bytes_per_step:.1f}x fewer bytes. Replica spread "
-            f"at step {end}: noloco {nl.spread_end:.2e}, noloco-topk {nc.spread_end:.2e}, "
-            f"none {none.spread_end:.2e}. No communication ends at {none.val[end][0]:.3f} "
-            f"({(none.val[end][0] - nl.val[end][0]) / nl.val[end][0]:+.2%} from bf16 NoLoCo)."
+            f"at step {end}: noloco {nl.spread_end:.2e}, noloco-topk {nc.spread_end:.2e}"
+            + (f", none {none.spread_end:.2e} ({none.replicas} replicas). No communication "
+               f"ends at {none.val[end][0]:.3f} ({_rel(none, nl, end):+.2%} from bf16 NoLoCo)."
+               if none and end in none.val else ".")
             + wraps)
     lines.append("- One seed, one run of each; differences of a fraction of a percent may "
                  "be noise. A tiny model (so that 5 methods x 40 replicas x "
@@ -376,7 +389,8 @@ def _cached(cache: Path | None, n: int, method: str) -> Result | None:
 def cache_dir(cfg: BenchConfig) -> Path:
     """Where a configuration's finished runs are kept (keyed by the config and the topk
     settings, so a changed bench never reuses old numbers)."""
-    key = hashlib.sha256(repr((cfg, TOPK_NOLOCO, TOPK_DILOCO, NOLOCO, DILOCO)).encode())
+    same = replace(cfg, replicas=())  # a run of n replicas is the same in any set of sizes
+    key = hashlib.sha256(repr((same, TOPK_NOLOCO, TOPK_DILOCO, NOLOCO, DILOCO)).encode())
     return Path(tempfile.gettempdir()) / f"peertrain-compression-{key.hexdigest()[:12]}"
 
 
@@ -392,12 +406,12 @@ def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
     cache = cache_dir(cfg) if resume else None
     done: dict[tuple[int, str], Result] = {}
     for n in cfg.replicas:
-        for m in METHODS:
+        for m in methods(cfg, n):
             hit = _cached(cache, n, m)
             if hit is not None:
                 done[(n, m)] = hit
                 console.print(f"  {n} x {m}: reused from {cache}")
-    jobs = sorted(((n, m) for n in cfg.replicas for m in METHODS if (n, m) not in done),
+    jobs = sorted(((n, m) for n in cfg.replicas for m in methods(cfg, n) if (n, m) not in done),
                   key=lambda j: -j[0])
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -408,7 +422,7 @@ def run(cfg: BenchConfig, doc_path: Path, quick: bool = False,
             console.print(f"  {r.replicas} x {r.method}: {r.seconds:.0f} s, "
                           f"{r.bytes_per_step:,.0f} B/outer step, "
                           f"val {r.val.get(cfg.marks[-1], (float('nan'),))[0]:.3f}")
-    results = [done[(n, m)] for n in cfg.replicas for m in METHODS]
+    results = [done[(n, m)] for n in cfg.replicas for m in methods(cfg, n)]
     evaluator = Evaluator(build_bench_task(cfg), cfg)
     print_tables(console, _tables(results, cfg))
     has_plot = plot(results, cfg, doc_path.parent / "compression.png")
