@@ -182,11 +182,9 @@ def make_frame(
     chunk_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
     mags = np.abs(vals)
     nc = n_chunks(numel, chunk)
-    lo = np.full(nc, np.inf, dtype=np.float32)
-    hi = np.zeros(nc, dtype=np.float32)
-    np.minimum.at(lo, chunk_of, mags)
-    np.maximum.at(hi, chunk_of, mags)
-    lo[~np.isfinite(lo)] = 0
+    # every chunk keeps at least one entry, contiguous and in chunk order: reduce per run
+    lo = np.minimum.reduceat(mags, starts[:-1]).astype(np.float32) if nc else mags[:0]
+    hi = np.maximum.reduceat(mags, starts[:-1]).astype(np.float32) if nc else mags[:0]
     levels = (1 << (value_bits - 1)) - 1
     span = (hi - lo)[chunk_of]
     with np.errstate(all="ignore"):
