@@ -319,10 +319,36 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
                f"ends at {none.val[end][0]:.3f} ({_rel(none, nl, end):+.2%} from bf16 NoLoCo)."
                if none and end in none.val else ".")
             + wraps)
+    by8 = {r.method: r for r in results if r.replicas == min(cfg.replicas)}
+    if {"noloco", "noloco-topk", "none"} <= by8.keys() and all(
+            end in by8[m].val for m in ("noloco", "noloco-topk", "none")):
+        nl, nc, none = by8["noloco"], by8["noloco-topk"], by8["none"]
+        weak = abs(_rel(none, nl, end)) <= 0.01
+        lines.append(
+            "- **What the 1% goal says here**: "
+            + (f"little. No communication is also within 1% of bf16 NoLoCo "
+               f"({_rel(none, nl, end):+.2%}), so at this scale the loss cannot tell a good "
+               f"exchange from none. " if weak else "")
+            + "The spread can: compressed NoLoCo's replicas end "
+            f"{nc.spread_end / nl.spread_end:.0f}x further apart than bf16 NoLoCo's, "
+            f"{nc.spread_end / none.spread_end:.2f}x the spread of replicas that never communicate. With λ = 1 each replica keeps its "
+            "unsent progress, and at 1.6% density the exchanged part is too small to pull the "
+            "replicas together in 14 rounds: the bytes goal is met, the coupling NoLoCo's "
+            "exchange exists for is mostly not. SparseLoCo's reset rule (diloco-topk) keeps "
+            "the replicas identical but loses the unsent progress, which 14 rounds are too few "
+            "to deliver.")
+    big = 86_000_000
+    bf16 = codecs.max_encoded_size("bf16", big)
+    tn, td = TOPK_NOLOCO.frame_bytes(big, anchor=True), TOPK_DILOCO.frame_bytes(big, anchor=False)
+    lines.append(
+        f"- Bytes at scale: the frame's size follows from its header, so for the 86M model of "
+        f"issue 29 a peer would send {tn / 1e6:.2f} MB "
+        f"per outer step (noloco-topk) and {td / 1e6:.2f} MB (diloco-topk) against "
+        f"{bf16 / 1e6:.0f} MB in bf16: {bf16 / tn:.1f}x and {bf16 / td:.1f}x. The bench's "
+        "tiny model gets less (its last, ragged chunk keeps as many values as a full one, and per-chunk scales weigh more).")
     lines.append("- One seed, one run of each; differences of a fraction of a percent may "
-                 "be noise. A tiny model (so that 5 methods x 40 replicas x "
-                 f"{cfg.steps} steps fit in minutes on 2 shared cores): its chunks hold few "
-                 "values, so per-chunk scales and headers weigh more than on a large model.")
+                 "be noise. The model is tiny so that the whole bench stays bounded on 2 "
+                 "shared cores.")
     return "\n".join(lines)
 
 
@@ -355,9 +381,12 @@ def _section(results: list[Result], cfg: BenchConfig, quick: bool, n_params: int
     flag = " --quick" if quick else ""
     return "\n\n".join([
         "## Training: compressed exchange",
-        f"`node bench convergence --compression{flag}` on {machine()}; {total_s:.0f} s in all "
-        f"({workers} worker processes, one thread each; the machine's cores shared with other "
-        "work, so `train s` measures the load as much as the method).",
+        f"`node bench convergence --compression{flag}` on {machine()}; "
+        f"{sum(r.seconds for r in results) / 60:.0f} min of runs (`train s`, each run's wall "
+        f"time, up to {workers} at a time in worker processes of one thread; the machine's "
+        "cores were shared with other work at a load of about 18-35, so `train s` measures "
+        f"the load as much as the method; {total_s:.0f} s in the invocation that wrote this, "
+        "finished runs being reused from the cache).",
         setup, tables, image, "What the numbers show:\n\n" + _findings(results, cfg),
         "Rerun: `node bench convergence --compression` (or `--quick`: 4 and 8 replicas, 120 "
         "steps); it rewrites this section and docs/compression.png.",
