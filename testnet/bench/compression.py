@@ -331,8 +331,8 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
                f"exchange from none. " if weak else "")
             + "The spread can: compressed NoLoCo's replicas end "
             f"{nc.spread_end / nl.spread_end:.0f}x further apart than bf16 NoLoCo's, "
-            f"{nc.spread_end / none.spread_end:.2f}x the spread of replicas that never communicate. With λ = 1 each replica keeps its "
-            "unsent progress, and at 1.6% density the exchanged part is too small to pull the "
+            f"{nc.spread_end / none.spread_end:.2f}x the spread of replicas that never "
+            "communicate. With λ = 1 each replica keeps its unsent progress, and at 1.6% density the exchanged part is too small to pull the "
             "replicas together in 14 rounds: the bytes goal is met, the coupling NoLoCo's "
             "exchange exists for is mostly not. SparseLoCo's reset rule (diloco-topk) keeps "
             "the replicas identical but loses the unsent progress, which 14 rounds are too few "
@@ -345,7 +345,8 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
         f"issue 29 a peer would send {tn / 1e6:.2f} MB "
         f"per outer step (noloco-topk) and {td / 1e6:.2f} MB (diloco-topk) against "
         f"{bf16 / 1e6:.0f} MB in bf16: {bf16 / tn:.1f}x and {bf16 / td:.1f}x. The bench's "
-        "tiny model gets less (its last, ragged chunk keeps as many values as a full one, and per-chunk scales weigh more).")
+        "tiny model gets less (its last, ragged chunk keeps as many values as a full one, "
+        "and per-chunk scales weigh more).")
     lines.append("- One seed, one run of each; differences of a fraction of a percent may "
                  "be noise. The model is tiny so that the whole bench stays bounded on 2 "
                  "shared cores.")
