@@ -333,7 +333,8 @@ def _findings(results: list[Result], cfg: BenchConfig) -> str:
             f"{nc.spread_end / nl.spread_end:.0f}x further apart than bf16 NoLoCo's, "
             f"{nc.spread_end / none.spread_end:.2f}x the spread of replicas that never "
             "communicate. With λ = 1 each replica keeps its unsent progress, and at 1.6% "
-            "density the exchanged part is too small to pull the replicas together in 14 rounds: the bytes goal is met, the coupling NoLoCo's "
+            "density the exchanged part is too small to pull the replicas together in 14 "
+            "rounds: the bytes goal is met, the coupling NoLoCo's "
             "exchange exists for is mostly not. SparseLoCo's reset rule (diloco-topk) keeps "
             "the replicas identical but loses the unsent progress, which 14 rounds are too few "
             "to deliver.")
