@@ -245,11 +245,11 @@ def encode(frame: Frame) -> bytes:
 # --- decoding -----------------------------------------------------------------------------
 
 
-def check_header(payload: bytes | bytearray | memoryview, numel: int, bounds: Bounds
-                 ) -> tuple[int, int, int, int]:
-    """(value_bits, anchor_bits, chunk, k) of a frame after checking its header and exact
-    size against `numel` (what we expect) and `bounds`: nothing is allocated before this."""
-    view = memoryview(payload).cast("B")
+def frame_size(header: bytes | bytearray | memoryview, numel: int, bounds: Bounds) -> int:
+    """The exact byte size of the frame that begins with `header` (its first HEADER_SIZE
+    bytes), after checking the header against `numel` and `bounds`: a stream reader reads
+    20 bytes, calls this, and reads exactly that many more or refuses the peer."""
+    view = memoryview(header).cast("B")
     if len(view) < HEADER_SIZE:
         raise RemoteProtocolError(f"topk frame of {len(view)} bytes is shorter than its header")
     magic, vbits, abits, flags, n, chunk, k = _HEADER.unpack_from(view)
@@ -267,9 +267,18 @@ def check_header(payload: bytes | bytearray | memoryview, numel: int, bounds: Bo
     if abits > bounds.max_anchor_bits:
         raise RemoteProtocolError(
             f"topk anchor codes of {abits} bits are over the run's bound {bounds.max_anchor_bits}")
-    size = encoded_size(n, chunk, k, vbits, abits)
+    return encoded_size(n, chunk, k, vbits, abits)
+
+
+def check_header(payload: bytes | bytearray | memoryview, numel: int, bounds: Bounds
+                 ) -> tuple[int, int, int, int]:
+    """(value_bits, anchor_bits, chunk, k) of a whole frame after checking its header and
+    exact size against `numel` (what we expect) and `bounds`: nothing is allocated before."""
+    view = memoryview(payload).cast("B")
+    size = frame_size(view[:HEADER_SIZE], numel, bounds)
     if len(view) != size:
         raise RemoteProtocolError(f"topk frame of {len(view)} bytes; its header says {size}")
+    _, vbits, abits, _, _, chunk, k = _HEADER.unpack_from(view)
     return vbits, abits, chunk, k
 
 

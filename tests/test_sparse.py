@@ -323,3 +323,14 @@ def test_dct_frames_round_trip_their_flag_and_the_transform_is_orthonormal() -> 
     weights = a.outer_step(frame)
     torch.testing.assert_close(weights, before + 0.7 * sent + t.inverse(a.ef.e), rtol=0,
                                atol=1e-5)
+
+
+def test_a_stream_reader_learns_the_frames_size_from_its_header_alone() -> None:
+    frame, _ = _frame(1000, 256, 8, abits=4)
+    payload = sparse.encode(frame)
+    head = payload[: sparse.HEADER_SIZE]
+    assert sparse.frame_size(head, 1000, BOUNDS) == len(payload)
+    with pytest.raises(RemoteProtocolError, match="density"):
+        sparse.frame_size(head, 1000, sparse.Bounds(max_density=1 / 64))
+    with pytest.raises(RemoteProtocolError, match="shorter"):
+        sparse.frame_size(head[:19], 1000, BOUNDS)
