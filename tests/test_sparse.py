@@ -249,7 +249,7 @@ def test_compressed_noloco_step_matches_the_rule_by_hand() -> None:
     g = torch.Generator().manual_seed(5)
     n = 512
     init = torch.randn(n, generator=g)
-    cfg = TopKConfig(chunk=128, density=1 / 8, value_bits=4, anchor_bits=8)
+    cfg = TopKConfig(chunk=128, density=1 / 8, value_bits=4, anchor_bits=8, keep_residual=0.0)
     a = CompressedNoLoCo(init, NoLoCoConfig(outer_lr=0.7, momentum=0.5), cfg)
     b = CompressedNoLoCo(init, NoLoCoConfig(outer_lr=0.7, momentum=0.5), cfg)
     b.phi += 0.01 * torch.randn(n, generator=g)  # anchors that differ
@@ -290,7 +290,7 @@ def test_keep_residual_leaves_the_unsent_progress_in_the_model() -> None:
 def test_compressed_diloco_workers_agree_on_phi() -> None:
     g = torch.Generator().manual_seed(7)
     init = torch.randn(300, generator=g)
-    cfg = TopKConfig(chunk=64, density=1 / 8, anchor_bits=0, ef_decay=0.95)
+    cfg = TopKConfig(chunk=64, density=1 / 8, anchor_bits=0, ef_decay=0.95, keep_residual=0.0)
     workers = [CompressedDiLoCo(init, topk=cfg) for _ in range(3)]
     frames = [w.prepare(init - 0.1 * torch.randn(300, generator=g)) for w in workers]
     outs = [w.outer_step(frames) for w in workers]

@@ -51,7 +51,7 @@ COLORS = {"noloco": "tab:blue", "noloco-topk": "tab:cyan", "diloco": "tab:orange
 TOPK_NOLOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=1.0,
                          anchor_bits=2, anchor_range=4.0, keep_residual=1.0)
 TOPK_DILOCO = TopKConfig(chunk=4096, density=1 / 64, value_bits=2, ef_decay=0.95,
-                         anchor_bits=0)
+                         anchor_bits=0, keep_residual=0.0)  # SparseLoCo's rule
 BOUNDS = sparse.Bounds(max_density=1 / 16, max_value_bits=4, max_anchor_bits=8)
 
 

@@ -42,12 +42,12 @@ class TopKConfig:
     density: float = 1 / 64  # k 64 of 4096 (SparseLoCo: 1-3%)
     value_bits: int = 2  # sign + 1 magnitude bit (lo or hi of the chunk's kept values)
     ef_decay: float = 1.0  # β: e ← β·e + Δ
-    anchor_bits: int = 4  # NoLoCo's anchor codes at the sent indices (0: no anchor pull)
+    anchor_bits: int = 2  # NoLoCo's anchor codes at the sent indices (0: no anchor pull)
     anchor_range: float = 4.0  # κ: the anchor grid covers ±κ·max|m| of the chunk
     # λ in [0, 1]: the model continues from φ ± λ·e instead of φ, so the next inner phase
     # starts from (part of) this replica's own unsent progress; e still holds all of it
     # and θ − φ ∓ λ·e_prev is the new progress (nothing is counted twice). 0: SparseLoCo's θ ← φ
-    keep_residual: float = 0.0
+    keep_residual: float = 1.0  # the bench's choice for NoLoCo (docs/training.md)
     # True: select and send in each chunk's orthonormal DCT-II domain (DeMo's transform,
     # on flat chunks): the error feedback and the anchor codes live there too
     dct: bool = False
@@ -226,7 +226,8 @@ class CompressedNoLoCo:
 
     def outer_step(self, own: sparse.Frame,
                    received: Sequence[sparse.Frame] = ()) -> torch.Tensor:
-        """m ← μ·m + η·direction; φ ← φ + m. Returns φ (copy it into the model)."""
+        """m ← μ·m + η·direction; φ ← φ + m. Returns the weights the model continues from
+        (φ, or φ + λ·e): copy them into the model."""
         d = self.direction(own, received)
         # noloco_update computes m ← μm + η(x − φ): pass x = φ + d
         noloco_update(self.phi, self.m, d.add_(self.phi), outer_lr=self.config.outer_lr,
@@ -240,8 +241,10 @@ class CompressedNoLoCo:
         return self.phi.add(self._residual(), alpha=lam) if lam else self.phi
 
 
-#: SparseLoCo's outer rule: no outer momentum (error feedback stands in for it), η 1.
+#: SparseLoCo's outer rule: no outer momentum (error feedback stands in for it), η 1,
+#: EF decay 0.95, the model reset to φ after each outer step.
 SPARSELOCO = DiLoCoConfig(outer_lr=1.0, momentum=0.0, nesterov=False)
+SPARSELOCO_TOPK = TopKConfig(anchor_bits=0, ef_decay=0.95, keep_residual=0.0)
 
 
 class CompressedDiLoCo:
@@ -250,7 +253,7 @@ class CompressedDiLoCo:
     def __init__(self, params: torch.Tensor, config: DiLoCoConfig | None = None,
                  topk: TopKConfig | None = None) -> None:
         self.config = SPARSELOCO if config is None else config
-        self.topk = TopKConfig(anchor_bits=0, ef_decay=0.95) if topk is None else topk
+        self.topk = SPARSELOCO_TOPK if topk is None else topk
         self.phi = as_flat_fp32(params, what="initial parameters").clone()
         self.m = torch.zeros_like(self.phi)
         self.ef = ErrorFeedback(self.phi.numel(), self.topk)
