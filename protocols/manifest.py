@@ -559,14 +559,14 @@ def load_manifest_file(path: str | Path) -> Manifest:
 def canonical_bytes(manifest: Manifest) -> bytes:
     """The manifest with every default filled in, as sorted, whitespace-free UTF-8 JSON."""
     doc = manifest.model_dump(mode="json", by_alias=True)
+    for key, default in (("topk_max_density", TOPK_MAX_DENSITY), ("topk_max_bits", TOPK_MAX_BITS),
+                         ("topk_max_anchor_bits", TOPK_MAX_ANCHOR_BITS)):
+        if doc["outer"].get(key) == default:  # left out at their defaults: run-ids stay
+            doc["outer"].pop(key)
     if doc.get("pipeline") is None:  # no pipeline: the bytes every manifest had before it
         doc.pop("pipeline", None)
     if doc["network"].get("relay_exchange_mb") == RELAY_EXCHANGE_MB:  # likewise
         doc["network"].pop("relay_exchange_mb")
-    for key, default in (("topk_max_density", TOPK_MAX_DENSITY), ("topk_max_bits", TOPK_MAX_BITS),
-                         ("topk_max_anchor_bits", TOPK_MAX_ANCHOR_BITS)):
-        if doc["outer"].get(key) == default:  # likewise
-            doc["outer"].pop(key)
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 
