@@ -37,8 +37,18 @@ def convergence(
     pipeline: Annotated[bool, typer.Option(
         "--pipeline", help="2 stages x 4 replicas, random routing on and off, instead.")]
     = False,
+    compression: Annotated[bool, typer.Option(
+        "--compression", help="bf16 vs topk-compressed NoLoCo and DiLoCo, 8 and 32 replicas, "
+        "instead.")] = False,
+    workers: Annotated[int, typer.Option(
+        "--workers", help="--compression: runs at a time, one process each.")] = 2,
 ) -> None:
     """NoLoCo vs DiLoCo vs NoLoCo-over-all vs none vs synchronous, equal compute (PNG)."""
+    if compression:
+        from testnet.bench import compression as cbench
+
+        cbench.main(quick=quick, workers=workers)
+        return
     if pipeline:
         from testnet.bench import pipeconv
 

@@ -50,6 +50,9 @@ MAX_MANIFEST_BYTES = 64 * 1024  # the demo manifest is ~2 KiB; 64 KiB leaves roo
 MAX_ERRORS = 20  # problems listed per error; the rest are counted
 RUN_ID_LENGTH = multihash.ID_LENGTH  # "Qm...": base58 of a sha2-256 multihash
 RELAY_EXCHANGE_MB = 64.0  # network.relay_exchange_mb: its default
+TOPK_MAX_DENSITY = 0.0625  # outer.topk_*: the defaults, left out of the canonical bytes
+TOPK_MAX_BITS = 4
+TOPK_MAX_ANCHOR_BITS = 8
 _BASE58 = multihash.BASE58_ALPHABET
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -221,6 +224,11 @@ class OuterSection(_Section):
     group_size: Annotated[int, Field(ge=2, le=1024)] = 2
     # "auto": bf16, or int8 to a partner behind a relay or on a slow link (node/averaging/adapt.py)
     codec: Literal["fp32", "bf16", "int8", "auto"] = "bf16"
+    # Bounds on a peer's "topk" frames (protocols/sparse.py): denser frames, or wider value
+    # or anchor codes, are refused. Left out of the canonical bytes at their defaults.
+    topk_max_density: Annotated[Float, Field(gt=0, le=1)] = TOPK_MAX_DENSITY
+    topk_max_bits: Annotated[int, Field(ge=2, le=8)] = TOPK_MAX_BITS
+    topk_max_anchor_bits: Annotated[int, Field(ge=0, le=16)] = TOPK_MAX_ANCHOR_BITS
 
 
 class AggregateSection(_Section):
@@ -554,6 +562,10 @@ def load_manifest_file(path: str | Path) -> Manifest:
 def canonical_bytes(manifest: Manifest) -> bytes:
     """The manifest with every default filled in, as sorted, whitespace-free UTF-8 JSON."""
     doc = manifest.model_dump(mode="json", by_alias=True)
+    for key, default in (("topk_max_density", TOPK_MAX_DENSITY), ("topk_max_bits", TOPK_MAX_BITS),
+                         ("topk_max_anchor_bits", TOPK_MAX_ANCHOR_BITS)):
+        if doc["outer"].get(key) == default:  # left out at their defaults: run-ids stay
+            doc["outer"].pop(key)
     if doc.get("pipeline") is None:  # no pipeline: the bytes every manifest had before it
         doc.pop("pipeline", None)
     if doc["network"].get("relay_exchange_mb") == RELAY_EXCHANGE_MB:  # likewise

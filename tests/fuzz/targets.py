@@ -29,6 +29,7 @@ from protocols import (
     lane,
     records,
     rundoc,
+    sparse,
     stun,
     webrtc_signal,
 )
@@ -177,6 +178,41 @@ def codecs_decode(data: bytes) -> None:
     assert bool(torch.isfinite(out).all())
 
 
+SPARSE_BOUNDS: Final = sparse.Bounds(max_density=1 / 4, max_value_bits=4, max_anchor_bits=8)
+
+
+def sparse_decode(data: bytes) -> None:
+    """sparse.decode of any "topk" frame for a size the receiver expects: indices strictly
+    increasing inside [0, numel), as many as the header implies, finite values, and an
+    anchor estimate (against our own anchor of zeros) that is finite and within the grid's
+    reach of it; or RemoteProtocolError. Layout: [numel: u16] payload."""
+    if len(data) < 2:
+        return
+    numel = int.from_bytes(data[:2]) % (1 << 13)
+    frame = sparse.decode(data[2:], numel, SPARSE_BOUNDS)
+    idx = frame.indices
+    assert idx.numel() == sparse.n_kept(numel, frame.chunk, frame.k)
+    assert idx.numel() == 0 or (int(idx[0]) >= 0 and int(idx[-1]) < numel)
+    assert bool((idx.diff() > 0).all())
+    assert bool(torch.isfinite(frame.values).all())
+    if frame.anchor_bits:
+        est = sparse.anchor_estimate(frame, torch.zeros(numel))
+        assert bool(torch.isfinite(est).all())
+
+
+def _sparse_seed(numel: int, anchor_bits: int) -> bytes:
+    x = torch.linspace(-1, 1, numel)
+    chunk, k = 64, 8
+    starts = range(0, numel, chunk)
+    idx = torch.cat([torch.arange(s, min(s + k, numel)) for s in starts])
+    kw: dict[str, object] = {}
+    if anchor_bits:
+        kw = {"anchor": x[idx], "eps": torch.full((len(starts),), 0.01),
+              "anchor_bits": anchor_bits}
+    frame = sparse.make_frame(numel, chunk, k, idx, x[idx], 2, **kw)  # type: ignore[arg-type]
+    return numel.to_bytes(2) + sparse.encode(frame)
+
+
 def manifest_toml(data: bytes) -> None:
     """parse_manifest of any bytes: a Manifest, or ManifestError (a ValueError)."""
     mf.parse_manifest(data)
@@ -316,6 +352,7 @@ TARGETS: Final[dict[str, tuple[Callable[[bytes], None],
     "averaging": (averaging_exchange, (RemoteProtocolError,)),
     "pipe": (pipe_stream, (RemoteProtocolError,)),
     "codecs": (codecs_decode, (RemoteProtocolError,)),
+    "sparse": (sparse_decode, (RemoteProtocolError,)),
     "manifest_toml": (manifest_toml, (mf.ManifestError,)),
     "manifest_canonical": (manifest_canonical, (mf.ManifestError,)),
     "exchanges": (exchange_messages, (RemoteProtocolError, LookupError, mf.ManifestError)),
@@ -370,6 +407,8 @@ def seeds(name: str) -> list[bytes]:
     if name == "codecs":
         return [codec_config(c, 40) + bytes(codecs.encode(vec, c).payload)
                 for c in codecs.CODECS]
+    if name == "sparse":
+        return [_sparse_seed(200, 0), _sparse_seed(200, 4), _sparse_seed(64, 2)]
     if name in ("manifest_toml", "manifest_canonical"):
         text = (REPO / "testnet" / "default_manifest.toml").read_bytes()
         return [text, mf.canonical_bytes(mf.parse_manifest(text))]
