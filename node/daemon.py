@@ -318,7 +318,8 @@ class Node:
             if averager else None,
             checkpoint_every=m.checkpoint.every_steps, on_snapshot=checkpoints.save,
             poison_steps=POISON_ROUNDS * m.outer.inner_steps if config.attack else None,
-            stats=run.progress))
+            stats=run.progress,
+            expected_exchange_s=averager.expected_exchange_s if averager else None))
         return services
 
     # -- start and stop -----------------------------------------------------------------------

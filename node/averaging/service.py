@@ -45,6 +45,10 @@ MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter t
 HANDSHAKE_RTTS = 6  # round trips before the first vector byte, with margin (deadline)
 ALLREDUCE_STEPS = 64  # DiLoCo: step k of round r's all-reduce is exchange round r * 64 + k
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
+# Before the first exchange is measured, its seconds are estimated at this wire rate (both
+# directions together): a 100 Mbit/s home link, full duplex. The training service sizes its
+# first span with it (node/training/service.py, "Spans"); measurements replace it.
+PRIOR_WIRE_BYTES_PER_S = 25e6
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Averager:
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
         self.partners: dict[str, PartnerStats] = {}
         self.exchange_seconds = Timings()  # successful exchanges, start to vector received
+        self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -245,6 +250,14 @@ class Averager:
         rtt = self.rtt_of(partner) or 0.0
         return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
 
+    def expected_exchange_s(self, numel: int) -> float:
+        """Seconds one exchange of `numel` values takes: the EWMA of those measured, or
+        before the first, the codec's payload both ways at PRIOR_WIRE_BYTES_PER_S."""
+        if self._exchange_s is not None:
+            return self._exchange_s
+        codec = "bf16" if self.auto_codec else self.codecs[0]
+        return 2 * _codecs.max_encoded_size(codec, numel) / PRIOR_WIRE_BYTES_PER_S
+
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
         if ok and seconds > 0:
@@ -253,6 +266,8 @@ class Averager:
             st.exchanges += 1
             st.last_exchange_unix, st.last_seconds = time.time(), round(seconds, 3)
             self.exchange_seconds.observe(seconds)
+            self._exchange_s = seconds if self._exchange_s is None \
+                else 0.7 * self._exchange_s + 0.3 * seconds
         elif not ok:
             st.failures += 1
 
