@@ -243,9 +243,17 @@ class Node:
             from node.training.build import Prebuild, build_training
 
             checkpoints = self._checkpoints
-            self._prebuilt = Prebuild(lambda: build_training(
-                manifest, ctx.peer_id, resolve_device_name(config.device), config.data,
-                attack=config.attack), hold=lambda: checkpoints.downloading)
+
+            def build() -> Any:
+                # testnets only: a stand-in at a measured device's step time
+                from node.training.timed import build_timed, step_ms_from_env
+
+                if (step_ms := step_ms_from_env()) is not None:
+                    return build_timed(manifest, ctx.peer_id, step_ms)
+                return build_training(manifest, ctx.peer_id, resolve_device_name(config.device),
+                                      config.data, attack=config.attack)
+
+            self._prebuilt = Prebuild(build, hold=lambda: checkpoints.downloading)
         return services
 
     async def _trainer_services(self) -> list[Service]:

@@ -1,0 +1,54 @@
+"""The timed stand-in trainer (node/training/timed.py): real-size vectors that move like
+training, and the environment switch that selects it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from node.training import timed
+
+
+def test_every_value_moves_by_the_measured_drift_and_noise_within_a_cycle():
+    n = 3 * (1 << 20) + 5  # several buffer lengths and a ragged end
+    t = timed.TimedTrainer(n, 1e-4, seed=1, replica=7)
+    start = t.parameters_vector()
+    for _ in range(timed.CHUNKS):
+        s = t.step()
+    assert s.step == t.step_count == timed.CHUNKS
+    moved = t.parameters_vector() - start
+    # every slice moved (a value may stay put where drift and noise cancel below an ulp)
+    assert (moved != 0).float().mean().item() > 0.9999
+    # CHUNKS steps: drift·CHUNKS plus noise·√CHUNKS, per value
+    expected = math.sqrt((timed.DRIFT * timed.CHUNKS) ** 2 + timed.NOISE ** 2 * timed.CHUNKS)
+    assert moved.pow(2).mean().sqrt().item() == pytest.approx(expected, rel=0.05)
+
+
+def test_nodes_share_the_initial_weights_and_drift_apart():
+    a = timed.TimedTrainer(1000, 1e-4, seed=3, replica=1)
+    b = timed.TimedTrainer(1000, 1e-4, seed=3, replica=2)
+    assert torch.equal(a.parameters_vector(), b.parameters_vector())
+    a.step(), b.step()
+    assert not torch.equal(a.parameters_vector(), b.parameters_vector())
+    b.set_parameters_vector(a.parameters_vector())
+    assert torch.equal(a.parameters_vector(), b.parameters_vector())
+    with pytest.raises(ValueError, match="expected a vector of 1000"):
+        a.set_parameters_vector(torch.zeros(999))
+
+
+def test_the_environment_switch_and_the_model_size(monkeypatch):
+    monkeypatch.delenv(timed.ENV, raising=False)
+    assert timed.step_ms_from_env() is None
+    monkeypatch.setenv(timed.ENV, "35.8")
+    assert timed.step_ms_from_env() == 35.8
+    for bad in ("fast", "0", "-3"):
+        monkeypatch.setenv(timed.ENV, bad)
+        with pytest.raises(ValueError, match=timed.ENV):
+            timed.step_ms_from_env()
+    from protocols import manifest as mf
+
+    m = mf.parse_manifest(b'schema = 1\n[run]\nname = "x"\n[model]\nd_model = 768\nn_layers = 12\n'
+                 b'n_heads = 12\ncontext = 1024\n')
+    assert timed.model_params(m) == 85_956_096  # the issue's "86M"
