@@ -71,6 +71,9 @@ class TrainingStats:
     # the largest any live peer wants).
     span: int = 1
     span_wanted: int = 1
+    # Seconds the trainer thread spent on outer steps and boundary snapshots (whole-model
+    # vector work: on a GPU node it runs on the device; a CPU stand-in pays it on the CPU).
+    outer_s: float = 0.0
 
     def step_time(self) -> float:
         """Measured seconds per inner step (a prior of 0.2 s before the first step)."""

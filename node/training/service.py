@@ -377,8 +377,10 @@ class TrainingService:
         for old in sorted(pending):
             self._outer_step(trainer, outer, pending.pop(old), Outcome(old, []))
             self.stats.rounds_local += 1
+        started = time.perf_counter()
         pending[r] = snapshot = trainer.parameters_vector()
         post(Boundary(r, snapshot.clone()))
+        self.stats.outer_s += time.perf_counter() - started
 
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
                   started: float) -> None:
@@ -420,6 +422,14 @@ class TrainingService:
         st.trained = max(st.trained, min(st.step, sum(group) // len(group)))
 
     def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
+        started = time.perf_counter()
+        try:
+            self._outer_step_timed(trainer, outer, snapshot, outcome)
+        finally:
+            self.stats.outer_s += time.perf_counter() - started
+
+    def _outer_step_timed(self, trainer: Any, outer: Any, snapshot: Any,
+                          outcome: Outcome) -> None:
         phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
                                round=outcome.round)
         if phi is None:  # the outer step keeps the model as it is (a testnet attacker)
