@@ -138,6 +138,9 @@ def wan(quick: Quick = False,
             help="--gpu: the compressed codec (default: one protocols/codecs.py knows).",
             show_default=False)] = None,
         seconds: Annotated[int, typer.Option(help="--gpu: seconds per case.")] = 150,
+        scale: Annotated[int, typer.Option(
+            help="--gpu: divide the vector and every link's rate by this (same seconds "
+                 "per exchange, less CPU and memory).")] = 1,
         only: Annotated[str | None, typer.Option(
             help="--gpu: one case (noloco, diloco, or e.g. noloco-bf16).",
             show_default=False)] = None) -> None:
@@ -151,7 +154,7 @@ def wan(quick: Quick = False,
             from testnet.bench import wan_gpu
 
             wan_gpu.main(step_ms=step_ms, seconds=seconds, rate=rate, rtt_ms=rtt,
-                         compressed=compressed, only=only)
+                         compressed=compressed, only=only, scale=scale)
         else:
             bench.main(quick=quick, rate=rate, rtt_ms=rtt)
     except bench.BenchUnavailable as e:

@@ -246,10 +246,10 @@ class Node:
 
             def build() -> Any:
                 # testnets only: a stand-in at a measured device's step time
-                from node.training.timed import build_timed, step_ms_from_env
+                from node.training.timed import build_timed, from_env
 
-                if (step_ms := step_ms_from_env()) is not None:
-                    return build_timed(manifest, ctx.peer_id, step_ms)
+                if (stand_in := from_env()) is not None:
+                    return build_timed(manifest, ctx.peer_id, *stand_in)
                 return build_training(manifest, ctx.peer_id, resolve_device_name(config.device),
                                       config.data, attack=config.attack)
 

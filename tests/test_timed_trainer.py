@@ -11,19 +11,22 @@ import torch
 from node.training import timed
 
 
-def test_every_value_moves_by_the_measured_drift_and_noise_within_a_cycle():
+def test_every_value_moves_by_the_measured_drift_and_noise_of_the_steps_taken():
     n = 3 * (1 << 20) + 5  # several buffer lengths and a ragged end
     t = timed.TimedTrainer(n, 1e-4, seed=1, replica=7)
     start = t.parameters_vector()
-    for _ in range(timed.CHUNKS):
+    k = 16
+    for _ in range(k):
         s = t.step()
-    assert s.step == t.step_count == timed.CHUNKS
-    moved = t.parameters_vector() - start
-    # every slice moved (a value may stay put where drift and noise cancel below an ulp)
+    assert s.step == t.step_count == k
+    after = t.parameters_vector()
+    moved = after - start
+    # every value moved (one may stay put where drift and noise cancel below an ulp)
     assert (moved != 0).float().mean().item() > 0.9999
-    # CHUNKS steps: drift·CHUNKS plus noise·√CHUNKS, per value
-    expected = math.sqrt((timed.DRIFT * timed.CHUNKS) ** 2 + timed.NOISE ** 2 * timed.CHUNKS)
+    # k steps: drift·k plus noise·√k, per value
+    expected = math.sqrt((timed.DRIFT * k) ** 2 + timed.NOISE ** 2 * k)
     assert moved.pow(2).mean().sqrt().item() == pytest.approx(expected, rel=0.05)
+    assert torch.equal(t.parameters_vector(), after)  # no step, no motion
 
 
 def test_nodes_share_the_initial_weights_and_drift_apart():
@@ -40,13 +43,15 @@ def test_nodes_share_the_initial_weights_and_drift_apart():
 
 def test_the_environment_switch_and_the_model_size(monkeypatch):
     monkeypatch.delenv(timed.ENV, raising=False)
-    assert timed.step_ms_from_env() is None
+    assert timed.from_env() is None
     monkeypatch.setenv(timed.ENV, "35.8")
-    assert timed.step_ms_from_env() == 35.8
-    for bad in ("fast", "0", "-3"):
+    assert timed.from_env() == (35.8, None)
+    monkeypatch.setenv(timed.ENV, "26.7,10744512")
+    assert timed.from_env() == (26.7, 10744512)
+    for bad in ("fast", "0", "-3", "35.8,x", "35.8,0"):
         monkeypatch.setenv(timed.ENV, bad)
         with pytest.raises(ValueError, match=timed.ENV):
-            timed.step_ms_from_env()
+            timed.from_env()
     from protocols import manifest as mf
 
     m = mf.parse_manifest(b'schema = 1\n[run]\nname = "x"\n[model]\nd_model = 768\nn_layers = 12\n'

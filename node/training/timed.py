@@ -15,11 +15,16 @@ aligned steps would. Read as a constant drift d plus independent noise σ per st
 (a² = d² + σ², D² = (50d)² + 50σ²): d = 1.34e-4, σ = 2.74e-4 per parameter per step (AdamW's
 update scales with the lr, not the model size, so it carries over to the 86M model at the
 same lr). Each node drifts along a direction of its own (its replica's data) plus noise.
-To stay inside the step time on a CPU, one of CHUNKS slices of the vector advances per
-step, by CHUNKS steps' worth (drift·CHUNKS, noise·√CHUNKS), from buffers of 2^20 values
-read at random offsets: every value moves at least every CHUNKS steps, the same totals.
+The motion is applied when the vector is read (`parameters_vector`), for all the k steps
+since the last read at once: drift·k plus noise·√k (the sum of k independent steps), from
+buffers of 2^20 values read at random offsets. A step itself only sleeps: on a 2-core
+machine shared with other work, per-step CPU work in a niced thread took a second a step
+(measured at load 17) instead of 35.8 ms, while the read's cost is counted with the outer
+step's (`training.outer_s`), where a GPU node's device-side copy would be.
 
-Selected by the environment (testnets only): PEERTRAIN_TIMED_TRAINER="<ms per step>".
+Selected by the environment (testnets only): PEERTRAIN_TIMED_TRAINER="<ms per step>" or
+"<ms per step>,<parameters>" (a vector of that size instead of the manifest model's: a
+benchmark scaled down with its link rate keeps the exchange's share of a round).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import torch
 ENV = "PEERTRAIN_TIMED_TRAINER"
 DRIFT = 1.34e-4  # per parameter per step, measured (module docstring)
 NOISE = 2.74e-4
-CHUNKS = 16
 _BUFFER = 1 << 20
 
 
@@ -50,19 +54,21 @@ class TimedStep:
     val_loss: float | None = None
 
 
-def step_ms_from_env() -> float | None:
-    """The stand-in's step time in ms if the environment asks for one; a clear error if the
-    value is not a positive number."""
+def from_env() -> tuple[float, int | None] | None:
+    """(ms per step, parameters or None: the manifest model's) if the environment asks for
+    the stand-in; a clear error if the value is malformed."""
     raw = os.environ.get(ENV)
     if not raw:
         return None
+    ms_text, _, params_text = raw.partition(",")
     try:
-        ms = float(raw)
+        ms = float(ms_text)
+        params = int(params_text) if params_text else None
     except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds per step") from None
-    if not (0 < ms < 60_000):
-        raise ValueError(f"{ENV}={raw!r}: expected 0 < ms < 60000")
-    return ms
+        raise ValueError(f"{ENV}={raw!r}: expected '<ms per step>[,<parameters>]'") from None
+    if not (0 < ms < 60_000) or (params is not None and not 0 < params <= 2**34):
+        raise ValueError(f"{ENV}={raw!r}: expected 0 < ms < 60000 and 0 < parameters")
+    return ms, params
 
 
 class TimedTrainer:
@@ -84,34 +90,41 @@ class TimedTrainer:
         self.theta.mul_(0.02)
         g = torch.Generator().manual_seed(seed * 1_000_003 + replica + 1)
         size = min(_BUFFER, numel)
-        self._direction = torch.randn(size, generator=g).mul_(drift * CHUNKS)
-        self._noise = torch.randn(2 * size, generator=g).mul_(noise * math.sqrt(CHUNKS))
+        self.drift, self.noise = drift, noise
+        self._direction = torch.randn(size, generator=g)
+        self._noise = torch.randn(2 * size, generator=g)
         self._rng = torch.Generator().manual_seed(replica)
+        self._unmoved = 0  # steps taken since the vector last moved
 
     def step(self) -> TimedStep:
         started = time.perf_counter()
-        self._move(self.step_count % CHUNKS)
+        time.sleep(self.step_s)
         self.step_count += 1
-        time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
+        self._unmoved += 1
         return TimedStep(self.step_count, None, self.lr, time.perf_counter() - started)
 
-    def _move(self, chunk: int) -> None:
-        per = -(-self.n_params // CHUNKS)
-        lo, hi = chunk * per, min(self.n_params, (chunk + 1) * per)
+    def _catch_up(self) -> None:
+        """Move the vector by the steps taken since it last moved: drift·k + noise·√k."""
+        k, self._unmoved = self._unmoved, 0
+        if not k:
+            return
+        a, b = self.drift * k, self.noise * math.sqrt(k)
         size = self._direction.numel()
-        for start in range(lo, hi, size):
-            n = min(size, hi - start)
+        for start in range(0, self.n_params, size):
+            n = min(size, self.n_params - start)
             off = int(torch.randint(0, size, (1,), generator=self._rng))
             view = self.theta[start:start + n]
-            view.add_(self._direction[:n]).add_(self._noise[off:off + n])
+            view.add_(self._direction[:n], alpha=a).add_(self._noise[off:off + n], alpha=b)
 
     def parameters_vector(self) -> torch.Tensor:
+        self._catch_up()
         return self.theta.clone()
 
     def set_parameters_vector(self, vector: torch.Tensor) -> None:
         if vector.dim() != 1 or vector.numel() != self.n_params:
             raise ValueError(f"expected a vector of {self.n_params} values, got shape "
                              f"{tuple(vector.shape)}")
+        self._catch_up()  # a real trainer's weights moved at every step, then were set
         self.theta.copy_(vector)
 
 
@@ -128,11 +141,13 @@ def model_params(m: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_timed(m: Any, peer_id: str, step_ms: float) -> tuple[Any, Any, int]:
-    """(timed trainer, outer optimizer, H) for the manifest, as build_training returns."""
+def build_timed(m: Any, peer_id: str, step_ms: float,
+                params: int | None = None) -> tuple[Any, Any, int]:
+    """(timed trainer, outer optimizer, H) for the manifest, as build_training returns;
+    `params` overrides the manifest model's size (a scaled benchmark)."""
     from node.training.build import replica_index
 
-    trainer = TimedTrainer(model_params(m), step_ms / 1000.0, seed=m.run.seed,
+    trainer = TimedTrainer(params or model_params(m), step_ms / 1000.0, seed=m.run.seed,
                            replica=replica_index(peer_id), lr=m.train.lr)
     if m.outer.algorithm == "diloco":
         from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo

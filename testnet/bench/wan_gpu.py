@@ -1,6 +1,6 @@
 """`node bench wan --gpu`: NoLoCo and DiLoCo across the emulated WAN at an H100's speed.
 
-    node bench wan --gpu [--step-ms 35.8] [--compressed CODEC] [--seconds 150]
+    node bench wan --gpu [--step-ms 35.8] [--compressed CODEC] [--seconds 150] [--scale 1]
 
 Four nodes and a bootstrap in network namespaces, every link `--rate` (100 Mbit/s) both
 ways with `--rtt` (50 ms), as `node bench wan`; the run is the 86M-parameter byte-level GPT
@@ -17,14 +17,20 @@ wire and with the compressed codec named by `--compressed` (default: one that
 protocols/codecs.py knows beyond the dense ones, if any). Until a compressed codec exists
 its rows say "pending compressed codec".
 
-Memory: each node holds a handful of whole-model fp32 vectors (the weights, φ and the
-outer momentum, the snapshot and its copy for the exchange, the partner's, the mean): the
-run refuses to start if 4 nodes' worth is not available (VECTORS_PER_NODE).
+Memory and CPU: each node holds a handful of whole-model fp32 vectors (the weights, φ and
+the outer momentum, the snapshot and its copy for the exchange, the partner's, the mean):
+the run refuses to start if 4 nodes' worth is not available (VECTORS_PER_NODE). Every pass
+over them (codec, outer step) is CPU work that a GPU node does on the device. Where the
+machine cannot carry that (2 shared cores), `--scale S` divides both the vector and every
+link's rate by S: each exchange then takes the same seconds, so the exchange's share of a
+round, the spans, the rounds averaged and the compute share are those of the full model,
+and the bytes per outer step are reported measured and times S (the 86M model's).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -100,24 +106,39 @@ def available_memory() -> int | None:
     return None
 
 
+def scaled_rate(rate: str, scale: int) -> str:
+    """`rate` (tc's form: "100mbit", "500kbit") divided by `scale`, in kbit."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", rate.strip().lower())
+    if m is None:
+        raise ValueError(f"--rate {rate!r}: expected a number and kbit, mbit or gbit")
+    kbit = float(m[1]) * {"kbit": 1, "mbit": 1e3, "gbit": 1e6}[m[2]] / scale
+    if kbit < 8:
+        raise ValueError(f"--rate {rate} / --scale {scale} is under 8 kbit")
+    return f"{kbit:.0f}kbit"
+
+
 def main(step_ms: float = STEP_MS, seconds: int = SECONDS, rate: str = "100mbit",
          rtt_ms: float = 50.0, compressed: str | None = None, only: str | None = None,
-         doc: Path | None = None) -> str:
+         scale: int = 1, doc: Path | None = None) -> str:
     """Run every case (or `only`: "noloco-bf16", ...) and write the section."""
     from rich.console import Console
 
     from node.training import timed
 
+    if scale < 1:
+        raise ValueError(f"--scale {scale}: expected 1 or more")
     reason = netns.available()
     if reason is not None:
         raise wan.BenchUnavailable(f"node bench wan --gpu runs nodes in network namespaces: "
                                    f"{reason}")
-    need, have = memory_needed(), available_memory()
+    params = PARAMS // scale
+    link = rate if scale == 1 else scaled_rate(rate, scale)
+    need, have = memory_needed(params), available_memory()
     if have is not None and need > 0.8 * have:
         raise wan.BenchUnavailable(
-            f"4 nodes of the 86M model need about {need / 2**30:.1f} GiB "
-            f"({VECTORS_PER_NODE} fp32 vectors of {4 * PARAMS / 1e6:.0f} MB each); "
-            f"{have / 2**30:.1f} GiB are available")
+            f"4 nodes of {params:,} parameters need about {need / 2**30:.1f} GiB "
+            f"({VECTORS_PER_NODE} fp32 vectors of {4 * params / 1e6:.0f} MB each); "
+            f"{have / 2**30:.1f} GiB are available: try --scale")
     codec, pending = compressed_codec(compressed)
     cases = [(a, c) for a in ("noloco", "diloco") for c in ("bf16", codec or PENDING)]
     if only is not None:
@@ -129,7 +150,7 @@ def main(step_ms: float = STEP_MS, seconds: int = SECONDS, rate: str = "100mbit"
     loads: list[float] = []
     sizes = {"seconds": seconds}
     previous = os.environ.get(timed.ENV)
-    os.environ[timed.ENV] = str(step_ms)  # the launcher's nodes inherit it
+    os.environ[timed.ENV] = f"{step_ms},{params}"  # the launcher's nodes inherit it
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for algorithm, c in cases:
@@ -138,7 +159,7 @@ def main(step_ms: float = STEP_MS, seconds: int = SECONDS, rate: str = "100mbit"
                              for i in range(1, 5)]
                     continue
                 text = MANIFEST.format(codec=c, outer=wan.ALGORITHMS[algorithm])
-                for r in wan.run_algorithm(algorithm, sizes, rate, rtt_ms, Path(tmp), console,
+                for r in wan.run_algorithm(algorithm, sizes, link, rtt_ms, Path(tmp), console,
                                            manifest_text=text, label=f"{algorithm}-{c}",
                                            loads=loads):
                     r.codec = c
@@ -148,14 +169,14 @@ def main(step_ms: float = STEP_MS, seconds: int = SECONDS, rate: str = "100mbit"
             os.environ.pop(timed.ENV, None)
         else:
             os.environ[timed.ENV] = previous
-    text = report(runs, step_ms, seconds, rate, rtt_ms, loads, pending)
+    text = report(runs, step_ms, seconds, rate, rtt_ms, loads, pending, scale)
     console.print(text)
     write_section("wan-gpu", text, doc or DOC)
     return text
 
 
-def row(r: wan.NodeRun) -> list[str]:
-    """One node's line: what its last status said."""
+def row(r: wan.NodeRun, scale: int = 1) -> list[str]:
+    """One node's line: what its last status said (MB per outer step times `scale`)."""
     if r.codec == PENDING:
         return [r.algorithm, PENDING, r.name, *["-"] * 11]
     t = r.last.get("training") or {}
@@ -172,10 +193,15 @@ def row(r: wan.NodeRun) -> list[str]:
             f"{t.get('compute_fraction', 0):.1%}",
             f"{t.get('outer_s', 0.0) / wall:.1%}" if wall else "-",
             f"{averaged} / {local}", str(t.get("span", 1)),
-            f"{t.get('bytes_sent', 0) / max(1, outer) / 1e6:.1f}",
+            _mb(t.get("bytes_sent", 0) / max(1, outer), scale),
             "-" if x is None else f"{x:.1f}", f"{waited:.1f}",
             "-" if not wire else f"{statistics.median(wire):.1f}",
             "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}"]
+
+
+def _mb(nbytes: float, scale: int) -> str:
+    return f"{nbytes / 1e6:.1f}" if scale == 1 else \
+        f"{nbytes * scale / 1e6:.1f} ({nbytes / 1e6:.2f} measured)"
 
 
 HEADERS = ["algorithm", "codec", "node", "steps", "ms per step", "compute share",
@@ -185,7 +211,7 @@ HEADERS = ["algorithm", "codec", "node", "steps", "ms per step", "compute share"
 
 
 def report(runs: list[wan.NodeRun], step_ms: float, seconds: int, rate: str, rtt_ms: float,
-           loads: list[float], pending: str | None) -> str:
+           loads: list[float], pending: str | None, scale: int = 1) -> str:
     load = (f"load average {min(loads):.1f}-{max(loads):.1f} (median "
             f"{statistics.median(loads):.1f}) during the runs" if loads else "load not sampled")
     text = (
@@ -203,7 +229,12 @@ def report(runs: list[wan.NodeRun], step_ms: float, seconds: int, rate: str, rtt
         f"thread (outer step, snapshots), which a GPU node does on the device in "
         f"milliseconds and this CPU stand-in pays on shared cores; `MB sent per outer step`: "
         f"bytes this node sent over its outer steps (DiLoCo: 2 swaps each).\n\n"
-        f"{md_table(HEADERS, [row(r) for r in runs])}\n\n"
+        + (f"Scaled by {scale} (`--scale {scale}`: this machine could not carry 4 nodes' "
+           f"whole-model vector work at full size): vectors of {PARAMS // scale:,} values "
+           f"over links of {scaled_rate(rate, scale)}, so each exchange takes the seconds "
+           f"the 86M model's takes at {rate}; MB per outer step are given for 86M (measured "
+           f"x {scale}).\n\n" if scale != 1 else "")
+        + f"{md_table(HEADERS, [row(r, scale) for r in runs])}\n\n"
         f"Goal (issue 29): compressed NoLoCo >= 95% compute and >= 95% rounds averaged.\n")
     if pending is not None:
         text += f"\nCompressed rows: {PENDING} ({pending}).\n"
