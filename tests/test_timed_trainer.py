@@ -57,3 +57,22 @@ def test_the_environment_switch_and_the_model_size(monkeypatch):
     m = mf.parse_manifest(b'schema = 1\n[run]\nname = "x"\n[model]\nd_model = 768\nn_layers = 12\n'
                  b'n_heads = 12\ncontext = 1024\n')
     assert timed.model_params(m) == 85_956_096  # the issue's "86M"
+
+
+def test_a_step_that_overslept_is_made_up_by_the_next(monkeypatch):
+    """Steps keep the device's pace on average even where the host wakes a sleeper late."""
+    clock = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(round(s, 6))
+        clock[0] += s + (0.1 if len(slept) == 1 else 0.0)  # the first wake-up 100 ms late
+
+    monkeypatch.setattr(timed.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(timed.time, "sleep", sleep)
+    t = timed.TimedTrainer(10, 0.04)
+    for _ in range(5):
+        t.step()
+    # 0.14 s for the first; the next two owe it (no sleep, then 0.02), then the pace
+    assert slept == [0.04, 0.02, 0.04]
+    assert clock[0] == pytest.approx(5 * 0.04)

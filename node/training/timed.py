@@ -17,10 +17,11 @@ update scales with the lr, not the model size, so it carries over to the 86M mod
 same lr). Each node drifts along a direction of its own (its replica's data) plus noise.
 The motion is applied when the vector is read (`parameters_vector`), for all the k steps
 since the last read at once: drift·k plus noise·√k (the sum of k independent steps), from
-buffers of 2^20 values read at random offsets. A step itself only sleeps: on a 2-core
-machine shared with other work, per-step CPU work in a niced thread took a second a step
-(measured at load 17) instead of 35.8 ms, while the read's cost is counted with the outer
-step's (`training.outer_s`), where a GPU node's device-side copy would be.
+buffers of 2^20 values read at random offsets. A step itself only sleeps, on a schedule
+(what one sleep overran, the next steps make up, as a GPU's queued kernels would): on a
+2-core machine shared with other work, per-step CPU work in a niced thread took a second a
+step (measured at load 17) instead of 35.8 ms, while the read's cost is counted with the
+outer step's (`training.outer_s`), where a GPU node's device-side copy would be.
 
 Selected by the environment (testnets only): PEERTRAIN_TIMED_TRAINER="<ms per step>" or
 "<ms per step>,<parameters>" (a vector of that size instead of the manifest model's: a
@@ -95,10 +96,17 @@ class TimedTrainer:
         self._noise = torch.randn(2 * size, generator=g)
         self._rng = torch.Generator().manual_seed(replica)
         self._unmoved = 0  # steps taken since the vector last moved
+        self._overslept = 0.0  # seconds the steps' sleeps overran, made up by later steps
 
     def step(self) -> TimedStep:
+        """Sleep one step's time, less what earlier sleeps overslept. A GPU's kernels run at
+        their own pace, queued ahead; a niced thread on a loaded host wakes late (at load 27
+        on 2 cores, sleeps of 35.8 ms took 147 ms). The debt is only what steps themselves
+        overran: time the thread spends outside step() (outer steps) is not made up."""
         started = time.perf_counter()
-        time.sleep(self.step_s)
+        if self.step_s > self._overslept:
+            time.sleep(self.step_s - self._overslept)
+        self._overslept += time.perf_counter() - started - self.step_s
         self.step_count += 1
         self._unmoved += 1
         return TimedStep(self.step_count, None, self.lr, time.perf_counter() - started)
