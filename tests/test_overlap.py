@@ -129,3 +129,23 @@ def test_the_averager_estimates_an_exchange_from_its_codec_then_measures_it():
     avg._record("peer", 8 * n, 10.0, ok=True)
     avg._record("peer", 8 * n, 20.0, ok=True)
     assert avg.expected_exchange_s(n) == pytest.approx(0.7 * 10.0 + 0.3 * 20.0)
+
+
+async def test_an_exchange_past_its_deadline_lengthens_the_next_deadline_and_span():
+    """A link slower than the prior: the first exchange cannot finish in its deadline, and
+    must not leave the estimates where they were (no exchange would ever be measured)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.averaging.service import Averager
+    from p2p.host import Substrate
+
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    avg = Averager(sub, "run", "a", list, codecs=["bf16", "fp32"], lanes=False)
+    n = 1_000_000
+    first = avg.deadline("z", n)
+    avg._too_slow("z", first)
+    skew = 0.5 * avg.inner_steps * avg.step_time()
+    assert avg.deadline("z", n) - skew == pytest.approx(2 * (first - skew))  # transfer x2
+    assert avg.expected_exchange_s(n) == first
+    avg._too_slow("z", 0.5)  # a shorter deadline elsewhere never lowers the estimate
+    assert avg.expected_exchange_s(n) == first

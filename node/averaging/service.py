@@ -258,6 +258,16 @@ class Averager:
         codec = "bf16" if self.auto_codec else self.codecs[0]
         return 2 * _codecs.max_encoded_size(codec, numel) / PRIOR_WIRE_BYTES_PER_S
 
+    def _too_slow(self, partner: str, limit: float) -> None:
+        """An exchange ran out of its deadline: it takes at least `limit`. Without this, a
+        prior rate above the link's kept every deadline (and the span sized from the
+        expected seconds) too short for any exchange to finish and be measured: at 6 Mbit/s,
+        32 rounds local in a row (`node bench wan --gpu`). So the partner's rate estimate
+        halves (the next deadline doubles) and the expected seconds are at least `limit`."""
+        st = self.partners.setdefault(partner, PartnerStats())
+        st.bytes_per_s /= 2
+        self._exchange_s = max(self._exchange_s or 0.0, limit)
+
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
         if ok and seconds > 0:
@@ -357,6 +367,7 @@ class Averager:
             self._record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
         except trio.TooSlowError:
             self._record(partner, 0, 0, ok=False)
+            self._too_slow(partner, limit)
             log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
         except Exception as e:
             self._record(partner, 0, 0, ok=False)
