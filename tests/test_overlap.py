@@ -143,9 +143,27 @@ async def test_an_exchange_past_its_deadline_lengthens_the_next_deadline_and_spa
     avg = Averager(sub, "run", "a", list, codecs=["bf16", "fp32"], lanes=False)
     n = 1_000_000
     first = avg.deadline("z", n)
-    avg._too_slow("z", first)
+    avg._too_slow("z", first, n)
     skew = 0.5 * avg.inner_steps * avg.step_time()
-    assert avg.deadline("z", n) - skew == pytest.approx(2 * (first - skew))  # transfer x2
+    # it takes at least `first`: the next deadline allows 4 times that for the transfer
+    assert avg.deadline("z", n) - skew == pytest.approx(4 * first)
     assert avg.expected_exchange_s(n) == first
-    avg._too_slow("z", 0.5)  # a shorter deadline elsewhere never lowers the estimate
+    avg._too_slow("z", 0.5, n)  # a shorter deadline elsewhere never lowers the estimate
     assert avg.expected_exchange_s(n) == first
+
+
+def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeypatch):
+    """A quarter of the partner's vector arrived in the 4 s of swap before a 5 s deadline:
+    the rest would take 12 s more, so an exchange is expected to take 17 s."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.averaging import service as averaging
+    from p2p.host import Substrate
+
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: 104.0)
+    n = 1_000_000
+    avg._too_slow("z", 5.0, n, averaging._Progress(100.0, 2 * n, received=n // 2))
+    assert avg.expected_exchange_s(n) == pytest.approx(17.0)
+    assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 17.0)

@@ -69,6 +69,15 @@ class PartnerStats:
 
 
 @dataclass
+class _Progress:
+    """One swap under way: when it began, its size each way, what has arrived."""
+
+    started: float
+    total: int  # our payload's bytes: the partner's is the same codec and size
+    received: int = 0
+
+
+@dataclass
 class _Round:
     snapshot: Any = None
     ready: trio.Event = field(default_factory=trio.Event)
@@ -117,6 +126,7 @@ class Averager:
         self.partners: dict[str, PartnerStats] = {}
         self.exchange_seconds = Timings()  # successful exchanges, start to vector received
         self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
+        self._progress: dict[tuple[int, str], _Progress] = {}  # (round, partner) -> swap
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -258,15 +268,23 @@ class Averager:
         codec = "bf16" if self.auto_codec else self.codecs[0]
         return 2 * _codecs.max_encoded_size(codec, numel) / PRIOR_WIRE_BYTES_PER_S
 
-    def _too_slow(self, partner: str, limit: float) -> None:
-        """An exchange ran out of its deadline: it takes at least `limit`. Without this, a
-        prior rate above the link's kept every deadline (and the span sized from the
-        expected seconds) too short for any exchange to finish and be measured: at 6 Mbit/s,
-        32 rounds local in a row (`node bench wan --gpu`). So the partner's rate estimate
-        halves (the next deadline doubles) and the expected seconds are at least `limit`."""
+    def _too_slow(self, partner: str, limit: float, numel: int,
+                  progress: _Progress | None = None) -> None:
+        """An exchange ran out of its deadline: it takes at least `limit`, and where the
+        partner's vector was arriving, the rest would have taken (bytes left) / (rate seen).
+        Without this, a prior rate above the link's kept every deadline (and the span sized
+        from the expected seconds) too short for any exchange to finish and be measured: at
+        6 Mbit/s, 32 rounds local in a row (`node bench wan --gpu`). So the expected seconds
+        become that estimate, and the partner's rate estimate at most half what it was (the
+        next deadline at least doubles)."""
+        expected = limit
+        if progress is not None and progress.received > 0:
+            seconds = time.monotonic() - progress.started
+            left = max(0, progress.total - progress.received)
+            expected = limit + left * seconds / progress.received
         st = self.partners.setdefault(partner, PartnerStats())
-        st.bytes_per_s /= 2
-        self._exchange_s = max(self._exchange_s or 0.0, limit)
+        st.bytes_per_s = min(st.bytes_per_s / 2, 2 * numel * 4 / expected)
+        self._exchange_s = max(self._exchange_s or 0.0, expected)
 
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
@@ -364,10 +382,11 @@ class Averager:
             if theta is None:
                 raise RemoteProtocolError("partner did not complete the exchange")
             results[partner] = theta
+            self._progress.pop((r, partner), None)
             self._record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
         except trio.TooSlowError:
             self._record(partner, 0, 0, ok=False)
-            self._too_slow(partner, limit)
+            self._too_slow(partner, limit, numel, self._progress.pop((r, partner), None))
             log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
         except Exception as e:
             self._record(partner, 0, 0, ok=False)
@@ -389,7 +408,7 @@ class Averager:
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
             if event.lane is None:
-                return await self._swap(stream, ex, snapshot, partner, _path(stream))
+                return await self._swap(stream, ex, snapshot, partner, _path(stream), r)
             # Failed until it connects: a round deadline that cancels the dial must leave
             # the mark too, or every round would try the same unreachable lane again.
             self.lane_failed[partner] = time.monotonic()
@@ -401,7 +420,7 @@ class Averager:
                                           f"stream for {LANE_RETRY_S:.0f} s") from e
             del self.lane_failed[partner]
             try:
-                return await self._swap(lane, ex, snapshot, partner, "lane")
+                return await self._swap(lane, ex, snapshot, partner, "lane", r)
             finally:
                 await close_quietly(lane)
         finally:
@@ -466,7 +485,7 @@ class Averager:
             if not (self.lanes and av.LANE_TCP in offer.lanes and self.lane_dialable()):
                 await stream.write(ex.accept(codec))
                 slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer,
-                                                      _path(stream))
+                                                      _path(stream), r)
                 return
             listener = LaneListener(self.lane_host)
             try:
@@ -474,7 +493,8 @@ class Averager:
                 await stream.write(ex.accept(codec, av.Lane(av.LANE_TCP, port, listener.key)))
                 lane = await listener.accept(timeout=5.0)
                 try:
-                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane")
+                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane",
+                                                          r)
                 finally:
                     await close_quietly(lane)
             finally:
@@ -485,12 +505,17 @@ class Averager:
     # -- both sides -----------------------------------------------------------------
 
     async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any, partner: str,
-                    path: str) -> Any:
+                    path: str, r: int) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         started = time.monotonic()
         chunks = ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
         received = 0
+        # What arrived so far, for an exchange that runs out of its deadline (_too_slow)
+        progress = _Progress(started, sent)
+        self._progress[(r, partner)] = progress
+        while len(self._progress) > 4 * MAX_IN_FLIGHT * max(1, self.group_size):
+            del self._progress[next(iter(self._progress))]  # bounded: oldest first
 
         async def send() -> None:
             await write_chunks(stream, chunks)
@@ -503,6 +528,7 @@ class Averager:
                     break
                 if isinstance(event, av.ChunkReceived):
                     received += event.nbytes
+                    progress.received = received
         self._count(partner, path, sent, received)
         st = self.partners[partner]
         seconds = time.monotonic() - started
