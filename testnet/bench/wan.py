@@ -95,6 +95,8 @@ class NodeRun:
     exchange_s: list[float] = field(default_factory=list)  # mean seconds per exchange
     codec: str = "bf16"
     peak_rss_mb: float | None = None
+    # rounds closed locally before the first averaged one (a span still being learnt)
+    local_before_first: int | None = None
 
     def first_below(self, target: float) -> float | None:
         return next((t for t, loss in self.losses if loss <= target), None)
@@ -117,6 +119,8 @@ def _sample(net: launcher.Testnet, runs: dict[str, NodeRun], algorithm: str,
             continue
         run = runs.setdefault(p.name, NodeRun(p.name, algorithm))
         run.last = st
+        if run.local_before_first is None and t.get("rounds_averaged"):
+            run.local_before_first = t.get("rounds_local", 0)
         loss = t.get("val_loss")
         if isinstance(loss, float) and (not run.losses or run.losses[-1][1] != loss):
             run.losses.append((time.monotonic() - t0, loss))

@@ -199,7 +199,10 @@ def row(r: wan.NodeRun, scale: int = 1) -> list[str]:
     return [r.algorithm, r.codec, r.name, str(steps), f"{ms:.1f}",
             f"{t.get('compute_fraction', 0):.1%}",
             f"{t.get('outer_s', 0.0) / wall:.1%}" if wall else "-",
-            f"{averaged} / {local}", str(t.get("span", 1)),
+            f"{averaged} / {local}" + (f" ({local - r.local_before_first} after the first "
+                                       f"averaged)" if r.local_before_first is not None
+                                       and local else ""),
+            str(t.get("span", 1)),
             _mb(t.get("bytes_sent", 0) / max(1, outer), scale),
             "-" if x is None else f"{x:.1f}", f"{waited:.1f}",
             "-" if not wire else f"{statistics.median(wire):.1f}",
@@ -235,7 +238,10 @@ def report(runs: list[wan.NodeRun], step_ms: float, seconds: int, rate: str, rtt
         f"CPU share`: the part of the rest spent on whole-model vector work in the trainer "
         f"thread (outer step, snapshots), which a GPU node does on the device in "
         f"milliseconds and this CPU stand-in pays on shared cores; `MB sent per outer step`: "
-        f"bytes this node sent over its outer steps (DiLoCo: 2 swaps each).\n\n"
+        f"bytes this node sent over its outer steps (DiLoCo: 2 swaps each); `rounds "
+        f"averaged / local`: outer steps with a partner and without one (in brackets, "
+        f"those without one after the first with one: the rest fell while the span was "
+        f"being learnt from the first exchanges).\n\n"
         + (f"Scaled by {scale} (`--scale {scale}`: this machine could not carry 4 nodes' "
            f"whole-model vector work at full size): vectors of {PARAMS // scale:,} values "
            f"over links of {scaled_rate(rate, scale)}, so each exchange takes the seconds "
