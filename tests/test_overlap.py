@@ -153,8 +153,8 @@ async def test_an_exchange_past_its_deadline_lengthens_the_next_deadline_and_spa
 
 
 def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeypatch):
-    """A quarter of the partner's vector arrived in the 4 s of swap before a 5 s deadline:
-    the rest would take 12 s more, so an exchange is expected to take 17 s."""
+    """A quarter of the partner's vector arrived in the 3 s of swap before a 10 s deadline:
+    the rest would take 9 s more, so an exchange is expected to take 19 s."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from node.averaging import service as averaging
@@ -164,6 +164,14 @@ def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeyp
     avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
     monkeypatch.setattr(averaging.time, "monotonic", lambda: 104.0)
     n = 1_000_000
-    avg._too_slow("z", 5.0, n, averaging._Progress(100.0, 2 * n, received=n // 2))
-    assert avg.expected_exchange_s(n) == pytest.approx(17.0)
-    assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 17.0)
+    avg._too_slow("z", 10.0, n, averaging._Progress(101.0, 2 * n, received=n // 2))
+    # 3 s for a quarter: 9 s more after the 10 s deadline
+    assert avg.expected_exchange_s(n) == pytest.approx(19.0)
+    assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 19.0)
+    # never more than twice the deadline from early bytes; a measurement replaces it
+    avg._too_slow("y", 5.0, n, averaging._Progress(103.9, 2 * n, received=1000))
+    assert avg.expected_exchange_s(n) == pytest.approx(19.0)
+    avg._too_slow("y", 10.0, n, averaging._Progress(103.9, 2 * n, received=1000))
+    assert avg.expected_exchange_s(n) == pytest.approx(20.0)
+    avg._record("y", 8 * n, 12.0, ok=True)
+    assert avg.expected_exchange_s(n) == 12.0

@@ -126,6 +126,7 @@ class Averager:
         self.partners: dict[str, PartnerStats] = {}
         self.exchange_seconds = Timings()  # successful exchanges, start to vector received
         self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
+        self._exchange_s_bound = False  # _exchange_s is only a bound from timeouts so far
         self._progress: dict[tuple[int, str], _Progress] = {}  # (round, partner) -> swap
         self._rounds: dict[int, _Round] = {}
         self._current = 0
@@ -281,10 +282,13 @@ class Averager:
         if progress is not None and progress.received > 0:
             seconds = time.monotonic() - progress.started
             left = max(0, progress.total - progress.received)
-            expected = limit + left * seconds / progress.received
+            # at most twice the deadline: early bytes are slow (TCP's slow start, other
+            # swaps still on the link), and a span sized from them overshot to 64 rounds
+            expected = min(2 * limit, limit + left * seconds / progress.received)
         st = self.partners.setdefault(partner, PartnerStats())
         st.bytes_per_s = min(st.bytes_per_s / 2, 2 * numel * 4 / expected)
         self._exchange_s = max(self._exchange_s or 0.0, expected)
+        self._exchange_s_bound = True
 
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
@@ -294,8 +298,10 @@ class Averager:
             st.exchanges += 1
             st.last_exchange_unix, st.last_seconds = time.time(), round(seconds, 3)
             self.exchange_seconds.observe(seconds)
-            self._exchange_s = seconds if self._exchange_s is None \
+            # the first measurement replaces a bound left by exchanges that ran out of time
+            self._exchange_s = seconds if self._exchange_s is None or self._exchange_s_bound \
                 else 0.7 * self._exchange_s + 0.3 * seconds
+            self._exchange_s_bound = False
         elif not ok:
             st.failures += 1
 
