@@ -271,21 +271,26 @@ class Averager:
 
     def _too_slow(self, partner: str, limit: float, numel: int,
                   progress: _Progress | None = None) -> None:
-        """An exchange ran out of its deadline: it takes at least `limit`, and where the
-        partner's vector was arriving, the rest would have taken (bytes left) / (rate seen).
+        """An exchange ran out of its deadline. Where the partner's vector was arriving, it
+        takes at least `limit` plus what the rest would have taken at the rate seen.
         Without this, a prior rate above the link's kept every deadline (and the span sized
         from the expected seconds) too short for any exchange to finish and be measured: at
         6 Mbit/s, 32 rounds local in a row (`node bench wan --gpu`). So the expected seconds
         become that estimate, and the partner's rate estimate at most half what it was (the
         next deadline at least doubles)."""
-        expected = limit
-        if progress is not None and progress.received > 0:
-            seconds = time.monotonic() - progress.started
-            left = max(0, progress.total - progress.received)
-            # at most twice the deadline: early bytes are slow (TCP's slow start, other
-            # swaps still on the link), and a span sized from them overshot to 64 rounds
-            expected = min(2 * limit, limit + left * seconds / progress.received)
         st = self.partners.setdefault(partner, PartnerStats())
+        if progress is None or progress.received == 0:
+            # Nothing arrived: the partner never came (views of the round or the span that
+            # differ, a late trainer), which says nothing of the link: a longer deadline
+            # next time, the expected seconds left alone (taken as slowness, they grew the
+            # span to 64 rounds).
+            st.bytes_per_s /= 2
+            return
+        seconds = time.monotonic() - progress.started
+        left = max(0, progress.total - progress.received)
+        # at most twice the deadline: early bytes are slow (TCP's slow start, other swaps
+        # still on the link)
+        expected = min(2 * limit, limit + left * seconds / progress.received)
         st.bytes_per_s = min(st.bytes_per_s / 2, 2 * numel * 4 / expected)
         self._exchange_s = max(self._exchange_s or 0.0, expected)
         self._exchange_s_bound = True
