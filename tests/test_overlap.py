@@ -171,3 +171,16 @@ def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeyp
     assert avg.expected_exchange_s(n) == pytest.approx(20.0)
     avg._record("y", 8 * n, 12.0, ok=True)
     assert avg.expected_exchange_s(n) == 12.0
+
+
+def test_the_scaled_benchmark_names_the_averagers_prior(monkeypatch):
+    from node.averaging import service as averaging
+    from testnet.bench import wan_gpu
+
+    assert (wan_gpu.PRIOR_ENV, wan_gpu.PRIOR_WIRE_BYTES_PER_S) == \
+        (averaging.PRIOR_ENV, averaging.PRIOR_WIRE_BYTES_PER_S)
+    monkeypatch.setenv(averaging.PRIOR_ENV, "1.5e6")
+    assert averaging.prior_wire_rate() == 1.5e6
+    for bad in ("fast", "-1", "0"):
+        monkeypatch.setenv(averaging.PRIOR_ENV, bad)
+        assert averaging.prior_wire_rate() == averaging.PRIOR_WIRE_BYTES_PER_S

@@ -49,6 +49,21 @@ LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream 
 # directions together): a 100 Mbit/s home link, full duplex. The training service sizes its
 # first span with it (node/training/service.py, "Spans"); measurements replace it.
 PRIOR_WIRE_BYTES_PER_S = 25e6
+# Benchmarks that scale the model and the link alike (`node bench wan --gpu --scale S`) scale
+# this prior too, or their first exchanges would be S times too optimistic.
+PRIOR_ENV = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S"
+
+
+def prior_wire_rate() -> float:
+    """PRIOR_WIRE_BYTES_PER_S, or the environment's value if it is a positive number."""
+    import os
+
+    raw = os.environ.get(PRIOR_ENV, "")
+    try:
+        value = float(raw) if raw else PRIOR_WIRE_BYTES_PER_S
+    except ValueError:
+        value = PRIOR_WIRE_BYTES_PER_S
+    return value if value > 0 else PRIOR_WIRE_BYTES_PER_S
 
 
 @dataclass
@@ -127,6 +142,7 @@ class Averager:
         self.exchange_seconds = Timings()  # successful exchanges, start to vector received
         self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
         self._exchange_s_bound = False  # _exchange_s is only a bound from timeouts so far
+        self.prior_wire_rate = prior_wire_rate()
         self._progress: dict[tuple[int, str], _Progress] = {}  # (round, partner) -> swap
         self._rounds: dict[int, _Round] = {}
         self._current = 0
@@ -267,7 +283,7 @@ class Averager:
         if self._exchange_s is not None:
             return self._exchange_s
         codec = "bf16" if self.auto_codec else self.codecs[0]
-        return 2 * _codecs.max_encoded_size(codec, numel) / PRIOR_WIRE_BYTES_PER_S
+        return 2 * _codecs.max_encoded_size(codec, numel) / self.prior_wire_rate
 
     def _too_slow(self, partner: str, limit: float, numel: int,
                   progress: _Progress | None = None) -> None:

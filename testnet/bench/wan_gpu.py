@@ -45,6 +45,9 @@ SECONDS = 150
 PARAMS = 85_956_096  # node.training.timed.model_params of MANIFEST's model
 VECTORS_PER_NODE = 9  # peak whole-model fp32 vectors a node holds (docstring), measured
 PENDING = "pending compressed codec"
+# node/averaging/service.py's (testnet/ imports no node service): the averager's prior
+# wire rate, a 100 Mbit/s link both ways, and the variable that overrides it
+PRIOR_ENV, PRIOR_WIRE_BYTES_PER_S = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S", 25e6
 DENSE = {"fp32", "bf16", "int8", "fp32+zstd", "bf16+zstd"}
 
 MANIFEST = """\
@@ -154,9 +157,11 @@ def main(step_ms: float = STEP_MS, seconds: int = SECONDS, rate: str = "100mbit"
     # its priority. A training node lowers its session to nice 10 so that the machine's
     # other work goes first (node/priority.py); on 2 cores at load 30 that starved the
     # nodes' whole-model vector work (80% of wall time) and every exchange.
-    saved = {k: os.environ.get(k) for k in (timed.ENV, SESSION_NICE_ENV)}
+    saved = {k: os.environ.get(k) for k in (timed.ENV, SESSION_NICE_ENV, PRIOR_ENV)}
     os.environ[timed.ENV] = f"{step_ms},{params}"
     os.environ[SESSION_NICE_ENV] = "0"
+    # the averager's prior wire rate (a 100 Mbit/s link) scaled with the link
+    os.environ[PRIOR_ENV] = str(PRIOR_WIRE_BYTES_PER_S / scale)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for algorithm, c in cases:
