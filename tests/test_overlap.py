@@ -184,3 +184,18 @@ def test_the_scaled_benchmark_names_the_averagers_prior(monkeypatch):
     for bad in ("fast", "-1", "0"):
         monkeypatch.setenv(averaging.PRIOR_ENV, bad)
         assert averaging.prior_wire_rate() == averaging.PRIOR_WIRE_BYTES_PER_S
+
+
+def test_a_new_partners_deadline_allows_what_our_exchanges_took():
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.averaging.service import Averager
+    from p2p.host import Substrate
+
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    avg = Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
+    n = 1_000_000
+    skew = 0.5 * avg.inner_steps * avg.step_time()
+    avg._record("old", 8 * n, 15.0, ok=True)  # our exchanges take 15 s
+    assert avg.deadline("new", n) == pytest.approx(4 * 15.0 + skew)
+    assert avg.deadline("old", n) == pytest.approx(4 * 15.0 + skew)  # its own measurement

@@ -271,8 +271,14 @@ class Averager:
         """Expected transfer (4x margin), the handshake's round trips (opening the stream,
         offer and accept, the lane's dial: HANDSHAKE_RTTS of the partner's measured RTT),
         plus the skew a partner may have at the boundary."""
-        rate = self.partners.get(partner, PartnerStats()).bytes_per_s
+        st = self.partners.get(partner)
+        rate = (st or PartnerStats()).bytes_per_s
         transfer = 2 * numel * 4 / max(rate, 1e5)
+        if st is None or not st.exchanges:
+            # a partner never measured: at least what our own exchanges took (or the prior
+            # wire rate's estimate): each new partner's first exchange timed out on a link
+            # slower than the LAN prior, a local round each (`node bench wan --gpu`)
+            transfer = max(transfer, self.expected_exchange_s(numel))
         skew = 0.5 * self.inner_steps * self.step_time()
         rtt = self.rtt_of(partner) or 0.0
         return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
