@@ -50,9 +50,9 @@ def test_the_span_is_the_smallest_power_of_two_that_holds_the_exchange():
     assert span_for(0.3, 1.79) == 1  # a compressed exchange fits one round
     assert span_for(1.0, 1.0) == 2  # 75% of a round at most
     assert span_for(1e6, 1.0) == MAX_SPAN
-    # hysteresis: from 8 it shrinks only once half the smaller span holds the exchange
-    assert span_for(2.5, 1.0, current=8) == 8  # wants 4, but 2.5 > 0.5·0.75·4
-    assert span_for(1.4, 1.0, current=8) == 4
+    # hysteresis: from 8 it shrinks only once the smaller span holds it with 20% to spare
+    assert span_for(2.5, 1.0, current=8) == 8  # wants 4, but 2.5 > 0.8·0.75·4
+    assert span_for(2.3, 1.0, current=8) == 4
     with pytest.raises(ValueError):
         span_for(1.0, 0.0)
 

@@ -89,6 +89,7 @@ class TrainingStats:
 
 MAX_SPAN = 64  # base rounds one exchange may span (H = 50: 3,200 steps between outer steps)
 SPAN_SHARE = 0.75  # an exchange should take at most this share of its span (skew, jitter)
+SPAN_SHRINK = 0.8  # ... and this much less again before the span shrinks (hysteresis)
 
 
 def span_for(exchange_s: float, round_s: float, current: int = 1,
@@ -98,14 +99,15 @@ def span_for(exchange_s: float, round_s: float, current: int = 1,
 
     A power of two so that peers whose estimates differ still meet: exchange boundaries are
     the rounds r with r % k == 0, and those of 2k are among them. It shrinks from `current`
-    only when half the smaller span would still hold the exchange (hysteresis: an estimate
-    hovering at a border must not flip the swarm's span every heartbeat)."""
+    only when the smaller span holds the exchange with SPAN_SHRINK to spare (hysteresis: an
+    estimate hovering at a border must not flip the swarm's span every heartbeat; at half,
+    one slow exchange kept a swarm at twice the span it needed: `node bench wan --gpu`)."""
     if not (exchange_s >= 0 and round_s > 0):
         raise ValueError(f"need exchange_s >= 0 and round_s > 0, got {exchange_s}, {round_s}")
     k = 1
     while k < most and exchange_s > share * k * round_s:
         k *= 2
-    if k < current and exchange_s > 0.5 * share * k * round_s:
+    if k < current and exchange_s > SPAN_SHRINK * share * k * round_s:
         k = min(current, 2 * k)  # not yet clearly below: shrink by one step at most
     return k
 
