@@ -63,6 +63,49 @@ def exchange(
 
 
 @app.command()
+def trainer(
+    quick: Quick = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (auto: cuda if present).")]
+    = "auto",
+    d_model: Annotated[int | None, typer.Option(min=1,
+        help="Model width (default 768 on CUDA: the 86M model; 128 on a CPU).")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="Layers (default 12 CUDA, 4 CPU).")]
+    = None,
+    heads: Annotated[int | None, typer.Option(min=1, help="Heads (default 12 CUDA, 4 CPU).")]
+    = None,
+    context: Annotated[int | None, typer.Option(
+        min=1, help="Context (default 1024 CUDA, 128 CPU).")]
+    = None,
+    batch: Annotated[int | None, typer.Option(min=1, help="Batch (default 16).")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Timed steps per block.")] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="Interleaved rounds of blocks.")] = None,
+    compile_: Annotated[bool, typer.Option(
+        "--compile/--no-compile", help="Also the torch.compile variants.")] = True,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads (a node's default: 1).")] = 1,
+    peak_tflops: Annotated[float | None, typer.Option(
+        help="The device's peak TFLOP/s for MFU, where the built-in table has none.")]
+    = None,
+) -> None:
+    """ms/step, tokens/s and MFU: the trainer vs a plain torch loop vs that loop compiled."""
+    from cli.common import fail
+    from node.ml import device as dev
+
+    try:
+        dev.precheck(device)
+    except dev.DeviceError as e:
+        raise fail(str(e), 2) from None
+    from node.ml.trainer.errors import ConfigError
+    from testnet.bench import trainer as bench
+
+    try:
+        bench.main(device=device, quick=quick, d_model=d_model, layers=layers, heads=heads,
+                   context=context, batch=batch, steps=steps, rounds=rounds,
+                   compile_=compile_, threads=threads, peak_tflops=peak_tflops)
+    except (ConfigError, dev.DeviceError) as e:  # heads not dividing d_model, no such GPU
+        raise fail(str(e), 2) from None
+
+
+@app.command()
 def robust(quick: Quick = False) -> None:
     """Sybil attacks against five aggregators, and variance correction (PNG)."""
     from testnet.bench import robust as bench
@@ -217,6 +260,23 @@ def soak(quick: Quick = False) -> None:
     bench.main(quick=quick)
 
 
+@app.command()
+def sim(quick: Quick = False,
+        scenario: Annotated[Path | None, typer.Option(
+            help="A scenario file (TOML; default testnet/sim/scenarios/default.toml).")]
+        = None) -> None:
+    """The swarm simulator's curves, 10 to 10,000 peers on virtual time: traffic per node,
+    spread, joins, churn, NoLoCo vs DiLoCo, sybils, checkpoint bursts (PNG)."""
+    from cli.common import fail
+    from testnet.sim import bench
+    from testnet.sim.scenario import ScenarioError
+
+    try:
+        bench.main(quick=quick, scenario=scenario)
+    except ScenarioError as e:
+        raise fail(str(e), 2) from None
+
+
 @app.command("all")
 def run_all(quick: Quick = False) -> None:
     """Every benchmark, one after the other."""
@@ -231,6 +291,7 @@ def run_all(quick: Quick = False) -> None:
     pull(quick)
     churn(quick)
     soak(quick)
+    sim(quick)
     from testnet.netns import available
 
     if available() is None:  # root only

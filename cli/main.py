@@ -16,9 +16,9 @@ import typer
 from cli import checks, config_cmd
 from cli.common import App, Json, StateDir, err, fail, out, print_json, run_async
 from cli.lifecycle import EXIT_SIGINT
-from node import state_lock
 from node.config import NodeConfig, default_state_dir
 from node.errors import NodeError
+from node.process import state_lock
 from node.status.control import ControlUnavailable, query_control
 from node.status.logs import setup_logging
 from node.training.data_check import check_text_files

@@ -33,12 +33,24 @@ class NodeConfig:
     # How long a joiner with no other bootstrap source waits for a first mDNS answer.
     mdns_wait_s: float = 2.0
     device: str = "auto"
+    # The shortest heartbeat interval (a small run's); a run of N beats every
+    # max(heartbeat_s, N / heartbeat_target_per_s) so each node receives at most about
+    # heartbeat_target_per_s heartbeats a second (protocols/heartbeat.py, docs/membership.md).
     heartbeat_s: float = 1.0
+    heartbeat_target_per_s: float = 50.0
     # A peer silent this long has left our view; a SIGKILLed peer disappears within it.
     peer_ttl_s: float = 5.0
     # How long `node join` looks for the run's providers before giving up.
     join_timeout_s: float = 30.0
     reprovide_s: float = 30.0
+    # Run members the redialer keeps connected (more are accepted, up to max_peers; past
+    # that the oldest unprotected ones are closed; a bootstrap closes none):
+    # node/membership/redial.py.
+    want_peers: int = 8
+    max_peers: int = 32
+    # A departed peer's run-document entries, and tombstones, are compacted this long after
+    # their newest stamp (protocols/rundoc.py `compactable`; docs/rundoc.md "GC horizon").
+    rundoc_horizon_s: float = 3600.0
     train: bool = True
     # Local training data (text or JSONL files) replacing the manifest's data source on
     # this node: data stays where it is, each peer may train on its own shard.

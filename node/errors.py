@@ -24,9 +24,21 @@ class StateDirError(NodeError):
 
 
 class TrainingFailed(NodeError):
-    """The trainer stopped with an error: the node stops too, with the reason."""
+    """The trainer stopped with an error: the node stops too, with the reason. Exit 9, or
+    DEVICE_MEMORY_EXIT when the cause is the trainer's own DeviceMemoryError
+    (node/ml/trainer/errors.py, the one class of that name): that failure has its own exit
+    status and advice (docs/operator.md)."""
 
     exit_code = 9
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+#: TrainingFailed's exit status when training does not fit in the GPU's free memory.
+DEVICE_MEMORY_EXIT = 11
 
 
 class MetricsPortError(NodeError):
@@ -40,9 +52,3 @@ class DeviceUnavailable(NodeError):
     """`--device cuda[:N]` on a machine without that GPU (checked before the node dials)."""
 
     exit_code = 10
-
-
-class DeviceMemoryError(NodeError):
-    """Training would not fit in the GPU's free memory (checked before the first step)."""
-
-    exit_code = 11

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = True) -> None:
+def atomic_write(path: Path, data: bytes | bytearray | memoryview, *,
+                 durable: bool = True) -> None:
     """Temp file, fsync, rename: a crash leaves the old file or the new one, never half.
 
     `durable=False` skips the fsync, for files that live as long as the process (its

@@ -18,11 +18,12 @@ daemon.py, never a lambda over an attribute that is set later.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
+
+from node.transport.transports import Transports
 
 if TYPE_CHECKING:
     from node.checkpoints.store import CheckpointStore
@@ -38,8 +39,11 @@ if TYPE_CHECKING:
 
 
 class Service(Protocol):
-    name: str  # its key in `node status`
-    protocols: tuple[str, ...]  # stream protocol ids it serves (gossip topics aside)
+    @property
+    def name(self) -> str: ...  # its key in `node status` (a class attribute will do)
+
+    @property
+    def protocols(self) -> tuple[str, ...]: ...  # stream protocol ids served (not gossip)
 
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
@@ -91,16 +95,14 @@ class NodeContext:
     phases: Phases = field(default_factory=Phases)
     device: str = "cpu"
     run: RunContext | None = None  # set once, when the run is known
-    # Can a peer open a TCP connection to a fresh port of ours (a bulk lane's listener)?
-    # Not behind a NAT, and not through a UPnP mapping: a gateway forwards only the
-    # libp2p port it mapped or punched. The daemon sets it from the reach service; a node
-    # that cannot be dialed there offers no lanes and its peers keep the libp2p stream.
-    lane_dialable: Callable[[], bool] = lambda: True
-    # Streams and path kinds as the node's transports see them (the daemon sets both): a
-    # peer reached only through a relay may have a WebRTC data channel (node/webrtc/),
-    # which averaging and checkpoint pulls then use. None: the substrate's streams.
-    open_stream: Callable[[Any, str], Awaitable[Any]] | None = None
-    path_of: Callable[[str], str] = lambda peer: "direct"
+    # How every peer is reached (node/transport/transports.py): streams, path kinds, round
+    # trips, lanes, handlers on every transport. Built on the substrate; the daemon attaches
+    # the WebRTC channels, the path labeller and the reach verdict as it builds them.
+    transports: Transports = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.transports is None:
+            self.transports = Transports(self.substrate)
 
     @property
     def peer_id(self) -> str:

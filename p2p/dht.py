@@ -82,7 +82,7 @@ async def _screened_read(stream: Any, max_length: int) -> bytes:
     return data
 
 
-_kad.read_varint_prefixed_bytes_limited = _screened_read  # type: ignore[attr-defined]
+_kad.read_varint_prefixed_bytes_limited = _screened_read  # type: ignore[assignment]
 
 
 class DHT:
@@ -147,6 +147,7 @@ class DHT:
         if len(record.SerializeToString()) > _common.MAX_RECORD_SIZE:
             return f"DHT PUT_VALUE: a record over {_common.MAX_RECORD_SIZE} bytes"
         try:
+            assert self.kad.validator is not None  # the substrate always gives one
             self.kad.validator.validate(record.key.decode("utf-8"), record.value)
         except Exception as e:
             return f"DHT PUT_VALUE: refused by the validator: {e}"

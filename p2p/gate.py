@@ -340,7 +340,7 @@ def _held(conn: INetConn) -> int:
 def remote_ip(conn: Any) -> str | None:
     """The remote IP of a connection or stream (None where the transport has none)."""
     try:
-        remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+        remote = conn.muxed_conn.get_remote_address()
     except Exception:
         return None
     return str(remote[0]) if remote else None

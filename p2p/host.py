@@ -22,7 +22,7 @@ import math
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import libp2p.network.swarm as _swarm
 import multiaddr
@@ -186,7 +186,7 @@ class Substrate:
             key_pair=self.key_pair,
             sec_opt={NOISE_ID: NoiseTransport(self.key_pair,
                                              noise_privkey=create_x25519_key_pair().private_key)},
-            muxer_opt={YAMUX_ID: Yamux},
+            muxer_opt={TProtocol(YAMUX_ID): Yamux},
             listen_addrs=self.listen,
             addrs_factory=self._advertised,
         )
@@ -210,10 +210,10 @@ class Substrate:
         # py-libp2p's own handlers (DHT, gossipsub, identify, ping) are guarded too; only
         # the DHT's stream gets a whole-stream deadline: gossipsub's streams live as long
         # as the connection, and ping and identify bound themselves.
-        for protocol, handler in list(host.get_mux().handlers.items()):
-            if protocol is not None and handler is not None:
-                deadline = STREAM_DEADLINE_S if protocol == dht.protocol else None
-                host.set_stream_handler(protocol, self.gate.guard(protocol, handler, deadline))
+        for proto, handler in list(host.get_mux().handlers.items()):
+            if proto is not None and handler is not None:
+                deadline = STREAM_DEADLINE_S if proto == dht.protocol else None
+                host.set_stream_handler(proto, self.gate.guard(proto, handler, deadline))
         for protocol, handler in self._handlers.items():
             host.set_stream_handler(TProtocol(protocol), self.gate.guard(protocol, handler))
         self.gate.attach(host)
@@ -404,6 +404,11 @@ class Substrate:
                 paths[peer.to_base58()] = "relayed via " + (relays[0] or "?")
         return paths
 
+    async def disconnect(self, peer: ID) -> None:
+        """Close every connection to `peer` (the redialer trims past its connection bound)."""
+        if self.host is not None:
+            await self.host.disconnect(peer)
+
     async def connect(self, addr: str, timeout: float = 10.0) -> ID:
         """Dial a peer multiaddr; raise DialError with the reason on failure."""
         if "/p2p-circuit" in addr:
@@ -426,7 +431,7 @@ class Substrate:
                     # a LAN one (behind a full-cone or UPnP NAT) was never dialed at the
                     # public address it also advertises.
                     self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 120)
-                    conn = await network.dial_addr(info.addrs[0], info.peer_id)  # type: ignore[attr-defined]
+                    conn = await network.dial_addr(info.addrs[0], info.peer_id)
                     started = getattr(conn, "event_started", None)
                     if started is not None:
                         await started.wait()
@@ -472,7 +477,7 @@ class Substrate:
         for a in self.network().dialable(self.direct_addrs(peer)):
             try:
                 with trio.fail_after(timeout):
-                    await swarm.dial_addr(multiaddr.Multiaddr(a), peer)  # type: ignore[attr-defined]
+                    await swarm.dial_addr(multiaddr.Multiaddr(a), peer)
                 return a
             except Exception as e:  # unreachable from here: the next address
                 log.debug("direct dial %s at %s: %s", peer, a, e)
@@ -505,6 +510,12 @@ class Substrate:
                 peer, [multiaddr.Multiaddr(addr.rsplit("/p2p/", 1)[0])], 600)
         return peer
 
+    def require_host(self) -> IHost:
+        """The running host: services use it only while the substrate serves."""
+        if self.host is None:
+            raise RuntimeError("the substrate is not serving")
+        return self.host
+
     def protocols_of(self, peer: ID) -> list[str]:
         """The protocols `peer`'s identify listed; empty while we have none from it."""
         try:
@@ -523,7 +534,8 @@ class Substrate:
         assert self.host is not None
         if lazy and self.host.get_network().get_connections(peer) and \
                 protocol in self.protocols_of(peer):
-            return await lazy_select.open_lazily(self.host, peer, protocol)
+            # a proxy of the stream (every attribute but `read` is the stream's own)
+            return cast(INetStream, await lazy_select.open_lazily(self.host, peer, protocol))
         try:
             return await self.host.new_stream(peer, [TProtocol(protocol)])
         except Exception as e:

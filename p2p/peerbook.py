@@ -18,6 +18,7 @@ class PeerEntry:
     first_seen: float = 0.0
     last_seen: float = 0.0
     info: dict = field(default_factory=dict)
+    ttl: float | None = None  # this peer's liveness ttl (its heartbeat interval); None: ttl
 
 
 class PeerBook:
@@ -27,7 +28,7 @@ class PeerBook:
         self._peers: dict[str, PeerEntry] = {}
 
     def seen(self, peer_id: str, now: float, addrs: list[str] | None = None,
-             info: dict | None = None) -> PeerEntry:
+             info: dict | None = None, ttl: float | None = None) -> PeerEntry:
         entry = self._peers.get(peer_id)
         if entry is None:
             if len(self._peers) >= self.max_peers:
@@ -40,16 +41,19 @@ class PeerBook:
             entry.addrs = list(addrs)
         if info is not None:
             entry.info = dict(info)
+        if ttl is not None:
+            entry.ttl = ttl
         return entry
 
     def live(self, now: float) -> list[PeerEntry]:
-        return sorted((e for e in self._peers.values() if now - e.last_seen <= self.ttl),
+        return sorted((e for e in self._peers.values()
+                       if now - e.last_seen <= (e.ttl or self.ttl)),
                       key=lambda e: e.peer_id)
 
     def expire(self, now: float, keep_for: float | None = None) -> None:
-        """Forget peers silent for longer than `keep_for` (default 10 x ttl)."""
-        horizon = self.ttl * 10 if keep_for is None else keep_for
-        for peer_id in [p for p, e in self._peers.items() if now - e.last_seen > horizon]:
+        """Forget peers silent for longer than `keep_for` (default 10 x their ttl)."""
+        for peer_id in [p for p, e in self._peers.items() if now - e.last_seen > (
+                10 * (e.ttl or self.ttl) if keep_for is None else keep_for)]:
             del self._peers[peer_id]
 
     def get(self, peer_id: str) -> PeerEntry | None:

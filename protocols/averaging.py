@@ -57,7 +57,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
 
 import torch
 
@@ -488,7 +488,7 @@ class Exchange:
             return None  # decoded from the decoder's buffer into the vector
         assert self._received is not None
         slot = self._received[self._filled : self._filled + count]
-        return memoryview(slot.numpy()).cast("B")
+        return slot.numpy().data.cast("B")
 
     def _on_chunk(self, frame: TensorFrame) -> ChunkReceived:
         assert self._received is not None and self.numel is not None
@@ -574,7 +574,7 @@ def _frames(numel: int | None, chunk: int) -> int:
     return -(-(numel or 0) // chunk)
 
 
-def _int_in(value: Any, low: int, high: int | None) -> bool:
+def _int_in(value: Any, low: int, high: int | None) -> TypeGuard[int]:
     return type(value) is int and value >= low and (high is None or value <= high)
 
 

@@ -70,7 +70,7 @@ def cid_of(manifest_bytes: bytes) -> str:
     return multihash.sha256_id(manifest_bytes)
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 

@@ -12,7 +12,7 @@ The chunks' fast path is a bulk lane (protocols/lane.py), asked for on the strea
 
     -> ckpt.lane {cid}                <- ckpt.lane {cid, port, key}  (or error)
 
-The asker connects to `port` and proves it holds `key` (node/lane.py). On the lane each
+The asker connects to `port` and proves it holds `key` (node/transport/lane.py). On the lane each
 record is one message: the asker sends `ckpt.chunk {cid, index}` requests, several in
 flight, and the server answers them in order, each with a header record
 

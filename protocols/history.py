@@ -134,7 +134,8 @@ def decode_history(data: bytes, *, run_id: str, expected_len: int, max_bytes: in
     if type(version) is not int or version != VERSION:
         raise HistoryError(f"unknown history message version {version!r:.20} (we speak 1)")
     run, subject, observer = doc.get("run"), doc.get("subject"), doc.get("observer")
-    if not all(isinstance(x, str) and x for x in (run, subject, observer)):
+    if not (isinstance(run, str) and isinstance(subject, str) and isinstance(observer, str)
+            and run and subject and observer):
         raise HistoryError("run, subject and observer must be non-empty strings")
     if run != run_id:
         raise HistoryError(f"entry for another run ({run:.16}...)")

@@ -207,6 +207,9 @@ class TrainSection(_Section):
     eval_every: Annotated[int, Field(ge=1, lt=2**31)] = 50
     eval_batches: Annotated[int, Field(ge=1, le=10_000)] = 4
     threads: Annotated[int, Field(ge=1, le=1024)] = 1
+    # torch.compile of the model, beside training (eager until it is ready): "auto" = on
+    # CUDA only. Left out of the canonical bytes at "auto": run-ids from before it stay.
+    compile: Literal["auto", "on", "off"] = "auto"
 
 
 class OuterSection(_Section):
@@ -555,6 +558,8 @@ def canonical_bytes(manifest: Manifest) -> bytes:
         doc.pop("pipeline", None)
     if doc["network"].get("relay_exchange_mb") == RELAY_EXCHANGE_MB:  # likewise
         doc["network"].pop("relay_exchange_mb")
+    if doc["train"].get("compile") == "auto":  # likewise
+        doc["train"].pop("compile")
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 

@@ -317,8 +317,8 @@ class PipeReceiver:
             raise RemoteProtocolError(problem)
         if env.id != body["mb"]:
             raise RemoteProtocolError(f"envelope id {env.id} is not the micro-batch {body['mb']}")
-        self._pending = MessageHeader(kind, body["run"], body["stage"], body["step"],
-                                      body["mb"], tuple(body["shape"]),  # type: ignore[arg-type]
+        self._pending = MessageHeader(kind, body["run"], body["stage"],  # type: ignore[arg-type]
+                                      body["step"], body["mb"], tuple(body["shape"]),
                                       body.get("hop", body["stage"]), body.get("origin", ""))
         self.state = State.TENSOR
         return None
@@ -565,13 +565,13 @@ class WeightsReceiver:
             if event is NEED_DATA:
                 return NEED_DATA
             if isinstance(event, Envelope):
-                done = self._on_envelope(event)
-                if done is not None:
-                    return done
+                refused = self._on_envelope(event)
+                if refused is not None:
+                    return refused
                 continue
-            done = self._on_tensor(event)
-            if done is not None:
-                return done
+            received = self._on_tensor(event)
+            if received is not None:
+                return received
 
     def _on_envelope(self, env: Envelope) -> NoWeights | None:
         if self._head is not None:

@@ -197,6 +197,27 @@ def checkpoint_index(doc: RunDocument) -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+def checkpoint_holders(doc: RunDocument, cid: str) -> tuple[list[str], str | None]:
+    """(the peers announcing checkpoint `cid` under their own namespace, sorted; its
+    writer). A peer that pulled a checkpoint announces it too, naming its `writer` in the
+    value; the writer is the announcer that names none (or itself), else the writer the
+    holders name (None if none is listed)."""
+    holders: list[str] = []
+    named: list[str] = []
+    for e in doc.entries("peer/"):
+        parts = e.key.split("/")
+        if e.tombstone or len(parts) != 4 or parts[2] != "ckpt" or parts[3] != cid:
+            continue
+        holders.append(parts[1])
+        value = e.value
+        claimed = value.get("writer") if isinstance(value, dict) else None
+        if claimed in (None, parts[1]):
+            named.insert(0, parts[1])
+        elif isinstance(claimed, str):
+            named.append(claimed)
+    return sorted(holders), (named[0] if named else None)
+
+
 @dataclass(slots=True)
 class MergeResult:
     applied: list[str] = field(default_factory=list)  # keys whose value changed
@@ -241,7 +262,7 @@ class RunDocument:
         self.max_entries, self.max_value_bytes = max_entries, max_value_bytes
         self.max_delta_bytes = max_delta_bytes
         self.hlc = HLC(signer.peer_id, max_drift_ms)
-        self.floor_ms = 0  # GC horizon: unknown keys with older stamps are refused
+        self.floor_ms = 0  # GC horizon: unknown peer/ keys with older stamps are refused
         self._entries: dict[str, Entry] = {}
 
     # -- local writes: each returns the delta to gossip -------------------------------------
@@ -340,7 +361,7 @@ class RunDocument:
             return f"stamp {e.hlc.wall_ms - now_ms} ms in the future"
         old = self._entries.get(e.key)
         if old is None:
-            if e.hlc.wall_ms < self.floor_ms:
+            if e.hlc.wall_ms < self.floor_ms and owner_of(e.key) is not None:
                 return "older than the GC horizon for an unknown key"
             if len(self._entries) >= self.max_entries:
                 return f"document full ({self.max_entries} entries)"
@@ -409,7 +430,8 @@ class RunDocument:
         by_bucket: dict[int, list[Entry]] = {}
         for key in sorted(self._entries):
             by_bucket.setdefault(_bucket(key), []).append(self._entries[key])
-        mine, out, size = self._buckets(), [], 64 + len(self.run_id)
+        out: list[Entry] = []
+        mine, size = self._buckets(), 64 + len(self.run_id)
         for i in sorted(by_bucket):
             if mine[i] == theirs.get(i, 0):
                 continue
@@ -472,24 +494,83 @@ class RunDocument:
         return doc
 
     def gc(self, now_ms: int, horizon_ms: int) -> int:
-        """Forget tombstones, and every peer/<id>/ entry of peers silent, for > horizon_ms;
-        from now on refuse entries that old for keys we have no record of. Returns the count."""
-        cutoff = now_ms - horizon_ms
-        newest: dict[str, int] = {}
-        for key, e in self._entries.items():
-            if key.startswith("peer/"):
-                pid = key.split("/")[1]
-                newest[pid] = max(newest.get(pid, e.hlc.wall_ms), e.hlc.wall_ms)
-        drop = [
-            k
-            for k, e in self._entries.items()
-            if (e.tombstone and e.hlc.wall_ms < cutoff)
-            or (k.startswith("peer/") and newest[k.split("/")[1]] < cutoff)
-        ]
+        """Forget what `compactable` names (every key owned by a peer silent for >
+        horizon_ms, old tombstones of owned keys); from now on refuse owned entries that
+        old for keys we have no record of. Returns the count."""
+        drop = compactable(self._entries.values(), now_ms, horizon_ms)
         for key in drop:
             del self._entries[key]
-        self.floor_ms = max(self.floor_ms, cutoff)
+        self.floor_ms = max(self.floor_ms, now_ms - horizon_ms)
         return len(drop)
+
+    def stale_own(self, now_ms: int, older_than_ms: int) -> list[Entry]:
+        """Our own live entries (`owner_of` is us) stamped more than `older_than_ms` ago:
+        the ones to re-sign (`refresh`) so that no live entry of ours falls under a
+        replica's compaction floor (pass half the horizon or less). In key order."""
+        me = self.signer.peer_id
+        return sorted((e for e in self._entries.values() if not e.tombstone
+                       and e.hlc.wall_ms < now_ms - older_than_ms and owner_of(e.key) == me),
+                      key=lambda e: e.key)
+
+    def refresh(self, now_ms: int, older_than_ms: int) -> bytes | None:
+        """Re-sign `stale_own` entries with their values unchanged and a fresh stamp; the
+        delta to gossip, or None when none is stale."""
+        stale = self.stale_own(now_ms, older_than_ms)
+        for e in stale:
+            self._write(e.key, e.value, False, now_ms)
+        return self.encode_delta([self._entries[e.key] for e in stale]) if stale else None
+
+    def caught_up(self, summary: bytes) -> bool:
+        """True when every bucket where `summary` (a peer's, after we merged its answer)
+        differs from ours holds a key of our own (`owner_of`: which the peer may lack until
+        it merges our answer): we hold everything the peer summarized. A capped answer (a
+        document over max_delta_bytes) leaves other buckets unequal."""
+        sparse = self._envelope(summary, 64 + len(self.run_id) + 10 * BUCKETS, 3, "summary")[2]
+        if not isinstance(sparse, bytes) or len(sparse) % 10:
+            raise RemoteProtocolError("summary buckets malformed")
+        theirs = {int.from_bytes(sparse[j:j + 2]): int.from_bytes(sparse[j + 2:j + 10])
+                  for j in range(0, len(sparse), 10)}
+        ours = self._buckets()
+        differ = {i for i in range(BUCKETS) if ours[i] != theirs.get(i, 0)}
+        me = self.signer.peer_id
+        own = {_bucket(k) for k in self._entries if owner_of(k) == me}
+        return differ <= own
+
+
+def owner_of(key: str) -> str | None:
+    """The peer whose own key this is (`peer/<id>/...`, `stage/<n>/<id>`: only it may
+    write it), or None for the run's keys (run/, stage/<n>, ckpt/). Compaction goes by it."""
+    parts = key.split("/")
+    if parts[0] == "peer" and len(parts) >= 3:
+        return parts[1]
+    if parts[0] == "stage" and len(parts) == 3:
+        return parts[2]
+    return None
+
+
+def compactable(entries: Iterable[Entry], now_ms: int, horizon_ms: int) -> list[str]:
+    """The compaction rule (pure; the simulator calls it too): with cutoff = now_ms -
+    horizon_ms, the keys of
+    * every entry, live or not, owned by a peer (`owner_of`: its `peer/<id>/...` keys and
+      its `stage/<n>/<id>` claims) whose newest owned stamp is before the cutoff: a peer
+      silent that long has left (a crashed one never deletes its keys, and nobody else
+      may);
+    * tombstones of owned keys stamped before the cutoff.
+    Only owned keys: the run's own keys (run/, stage/<n>, ckpt/) are written by admins or
+    content-addressed, few, and kept with their tombstones, so an old one is never refused
+    and never comes back. A function of the entries' signed stamps only, so replicas
+    holding the same entries drop the same keys; each does so when its own clock passes
+    the cutoff and refuses unknown owned keys older than it afterwards (`floor_ms`), so a
+    replica that has not compacted yet cannot bring them back. A live peer re-signs its
+    own entries before they are a quarter of a horizon old (`refresh`), so none of a live
+    peer's entries is ever under anybody's floor. Sorted, for a deterministic order."""
+    cutoff = now_ms - horizon_ms
+    owned = [(e, o) for e in entries if (o := owner_of(e.key)) is not None]
+    newest: dict[str, int] = {}
+    for e, o in owned:
+        newest[o] = max(newest.get(o, e.hlc.wall_ms), e.hlc.wall_ms)
+    return sorted(e.key for e, o in owned
+                  if e.hlc.wall_ms < cutoff and (e.tombstone or newest[o] < cutoff))
 
 
 def _unpack(data: bytes, what: str) -> Any:

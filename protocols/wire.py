@@ -652,7 +652,7 @@ def tensor_payload(t: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
         raise LocalProtocolError("tensor must be contiguous (call .contiguous() first)")
     # Viewing as uint8 covers bfloat16, which numpy and memoryview cannot express.
     flat = t.detach().reshape(-1).view(torch.uint8)
-    return name, tuple(t.shape), memoryview(flat.numpy())
+    return name, tuple(t.shape), flat.numpy().data
 
 
 def tensor_from_payload(header: TensorHeader, payload: bytes | memoryview) -> torch.Tensor:
@@ -679,5 +679,5 @@ def tensor_from_payload(header: TensorHeader, payload: bytes | memoryview) -> to
             f" payload has {view.nbytes}"
         )
     out = torch.empty(expected, dtype=torch.uint8)  # no bigger than the payload in hand
-    memoryview(out.numpy())[:] = view
+    out.numpy().data[:] = view
     return out.view(dtypes[header.dtype]).reshape(shape)

@@ -208,7 +208,7 @@ def _spawn(name: str, state_dir: Path, args: list[str], detached: bool,
     # A session of its own: Ctrl-C at the terminal does not reach it, `down` signals its
     # group, and under Linux's autogroup scheduling each node gets an equal share of the
     # CPU, as separate machines would; a node that trains lowers its session's priority
-    # (node/priority.py), so a joiner goes first. Tried on 2026-11-26: every node in the
+    # (node/process/priority.py), so a joiner goes first. Tried on 2026-11-26: every node in the
     # launcher's session changed which node outpaces which, and the sybil and pipeline
     # scenario tests failed in 2 of 3 runs (docs/architecture.md, "Testnet").
     try:

@@ -9,7 +9,9 @@ listens on two IPs x two ports and answers from the socket the request asks for.
     python -m testnet.stun --ip 198.18.0.1 --alt-ip 198.18.0.2 [--port 3478]
 
 Answers MAPPED-ADDRESS and XOR-MAPPED-ADDRESS; ignores anything that is not a
-well-formed Binding Request. Runs until killed (the launcher's namespace teardown).
+well-formed Binding Request. The messages are protocols/stun.py's, the codec of the nodes'
+own responders (node/webrtc/stun.py): this file is only the sockets. Runs until killed (the
+launcher's namespace teardown).
 """
 
 from __future__ import annotations
@@ -17,38 +19,9 @@ from __future__ import annotations
 import argparse
 import select
 import socket
-import struct
 
-MAGIC = 0x2112A442
-BINDING_REQUEST, BINDING_SUCCESS = 0x0001, 0x0101
-MAPPED_ADDRESS, XOR_MAPPED_ADDRESS, CHANGE_REQUEST = 0x0001, 0x0020, 0x0003
-CHANGE_IP, CHANGE_PORT = 0x04, 0x02
-
-
-def parse_request(data: bytes) -> tuple[bytes, int] | None:
-    """(transaction id, change flags) of a Binding Request; None for anything else."""
-    if len(data) < 20:
-        return None
-    kind, length, cookie = struct.unpack_from("!HHI", data)
-    if kind != BINDING_REQUEST or cookie != MAGIC or length != len(data) - 20:
-        return None
-    flags, pos = 0, 20
-    while pos + 4 <= len(data):
-        attr, size = struct.unpack_from("!HH", data, pos)
-        if attr == CHANGE_REQUEST and size == 4 and pos + 8 <= len(data):
-            flags = struct.unpack_from("!I", data, pos + 4)[0]
-        pos += 4 + size + (-size % 4)
-    return data[8:20], flags
-
-
-def response(txid: bytes, ip: str, port: int) -> bytes:
-    """A Binding Success with the source address, plain and XOR-ed."""
-    raw_ip = socket.inet_aton(ip)
-    mapped = struct.pack("!HHBBH", MAPPED_ADDRESS, 8, 0, 1, port) + raw_ip
-    xip = bytes(a ^ b for a, b in zip(raw_ip, struct.pack("!I", MAGIC), strict=True))
-    xored = struct.pack("!HHBBH", XOR_MAPPED_ADDRESS, 8, 0, 1, port ^ (MAGIC >> 16)) + xip
-    body = mapped + xored
-    return struct.pack("!HHI", BINDING_SUCCESS, len(body), MAGIC) + txid + body
+from protocols import stun
+from protocols.errors import RemoteProtocolError
 
 
 def serve(ip: str, alt_ip: str, port: int, alt_port: int) -> None:
@@ -62,15 +35,16 @@ def serve(ip: str, alt_ip: str, port: int, alt_port: int) -> None:
         ready, _, _ = select.select(list(socks.values()), [], [])
         for s in ready:
             data, (src_ip, src_port) = s.recvfrom(2048)
-            req = parse_request(data)
-            if req is None:
+            try:
+                req = stun.parse_request(data)  # the codec the nodes' own responders use
+            except RemoteProtocolError:
                 continue
-            txid, flags = req
             here_ip, here_port = s.getsockname()
-            out_ip = (alt_ip if here_ip == ip else ip) if flags & CHANGE_IP else here_ip
-            out_port = ((alt_port if here_port == port else port) if flags & CHANGE_PORT
-                        else here_port)
-            socks[(out_ip, out_port)].sendto(response(txid, src_ip, src_port),
+            out_ip = ((alt_ip if here_ip == ip else ip)
+                      if req.change & stun.CHANGE_IP else here_ip)
+            out_port = ((alt_port if here_port == port else port)
+                        if req.change & stun.CHANGE_PORT else here_port)
+            socks[(out_ip, out_port)].sendto(stun.encode_success(req.txid, src_ip, src_port),
                                              (src_ip, src_port))
 
 

@@ -8,7 +8,8 @@ that namespace's loopback, out of the browser's reach. The launcher reads every 
 through its control socket instead (`api_status`: the document of the node's own page,
 node/metrics/service.py), which enters namespaces and needs the state directory's token.
 
-Routes: `/` (static/swarm.html), `/swarm.js`, `/api/swarm` (JSON: every process of the
+Routes: `/` (static/swarm.html), `/swarm.js`, `/common.js` and `/common.css` (what it shares
+with a node's status page: node/metrics/static/), `/api/swarm` (JSON: every process of the
 testnet, up or down, with its last answer). Served by the nodes' own bounded HTTP server
 (node/metrics/http.py); everything from the package, nothing from a CDN.
 
@@ -34,6 +35,7 @@ import trio
 from node.errors import NodeError
 from node.files import atomic_write
 from node.metrics.http import HttpServer, Response
+from node.metrics.service import common_routes
 from node.status.control import ControlUnavailable, query_control
 from testnet import launcher
 
@@ -61,7 +63,8 @@ class SwarmPage:
         self.query = query
         self.last: dict[str, dict[str, Any]] = {}  # name -> last answer and when
         self.server = HttpServer({"/": self._page, "/index.html": self._page,
-                                  "/swarm.js": self._script, "/api/swarm": self._api})
+                                  "/swarm.js": self._script, "/api/swarm": self._api,
+                                  **common_routes()})
         self._lock = trio.Lock()
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._limiter = trio.CapacityLimiter(MAX_QUERIES)

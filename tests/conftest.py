@@ -17,13 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import trio
 
-from node.priority import SESSION_NICE_ENV
+from node.process.priority import SESSION_NICE_ENV
 from node.status.control import query_control
 from testnet import launcher
 
@@ -44,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # busy core (node processes, a CPU burner) two threads made tiny steps ~30x slower.
     # Node processes the tests start choose their own threads.
     torch.set_num_threads(1)
-    # Training nodes leave their session's priority alone (node/priority.py): the
+    # Training nodes leave their session's priority alone (node/process/priority.py): the
     # scenario tests' deadlines were set with every node's session equal to the others and
     # to the suite's own. With the testnets' trainers at nice 10 the SybilWall scenario
     # missed its deadline (ci94; ci95 with the suite's session at nice 10 too). The tests
@@ -152,6 +153,126 @@ def pipeline_testnet(directory: Path, stages: int, manifest: Path | None = None
         yield net
     finally:
         launcher.down(directory)
+
+
+#: A run that trains fast on a loaded 2-core machine: a one-layer byte GPT of width 32,
+#: NoLoCo every 100 steps. Tests write it (or a variant: `FAST_RUN.replace(...)`, `FAST_RUN +
+#: "[checkpoint]..."`) as the manifest of their testnet or `node run create`.
+FAST_RUN = """
+schema = 1
+[run]
+name = "swarm-test"
+[model]
+task = "bytes-gpt"
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 32
+[train]
+batch_size = 8
+lr = 3e-3
+warmup_steps = 10
+eval_every = 50
+eval_batches = 2
+[outer]
+algorithm = "noloco"
+inner_steps = 100
+codec = "bf16"
+"""
+
+
+@pytest.fixture
+def fast_manifest(tmp_path: Path) -> Path:
+    """FAST_RUN written to a file: `testnet_factory(n, manifest=fast_manifest)`."""
+    path = tmp_path / "fast.toml"
+    path.write_text(FAST_RUN)
+    return path
+
+
+def pipeline_net(stages: int, manifest: Callable[[str], str] | None = None
+                 ) -> Callable[..., Iterator[launcher.Testnet]]:
+    """A module fixture for a file of pipeline tests, `net = pipeline_net(stages=4)`: one
+    `pipeline_testnet` for all of the file's tests. `manifest` rewrites the pipeline
+    scenario's manifest text first (another recovery rule, say)."""
+
+    @pytest.fixture(scope="module")
+    def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
+        directory = tmp_path_factory.mktemp(f"pipe{stages}")
+        path = None
+        if manifest is not None:
+            path = directory / "manifest.toml"
+            path.write_text(manifest(launcher.scenario_manifest_path("pipeline").read_text()))
+        with pipeline_testnet(directory / "tn", stages=stages, manifest=path) as net:
+            yield net
+
+    return net
+
+
+def shared_testnet(nodes: int, manifest: str | None = None, **kwargs: Any
+                   ) -> Callable[..., Iterator[launcher.Testnet]]:
+    """A module fixture, `net = shared_testnet(2)`: one testnet (`launcher.up(...,
+    **kwargs)`) for all the tests of a file that only read it or leave it as they found it,
+    instead of one each: a testnet's start and first rounds are most of such a test's time.
+    `manifest`: the run's manifest text (FAST_RUN, say); the default run's otherwise."""
+
+    @pytest.fixture(scope="module")
+    def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
+        directory = tmp_path_factory.mktemp("shared")
+        path = None
+        if manifest is not None:
+            path = directory / "manifest.toml"
+            path.write_text(manifest)
+        kwargs.setdefault("detached", True)
+        try:
+            yield launcher.up(directory / "tn", nodes, manifest=path, **kwargs)
+        finally:
+            launcher.down(directory / "tn")
+
+    return net
+
+
+@pytest.fixture
+def nat_available() -> None:
+    """Skips, saying why, where a testnet cannot build NAT gateways (no network namespaces,
+    no root, no nftables): for the "home", "hard" and "cgnat" kinds."""
+    from testnet import nat, netns
+
+    reason = netns.available() or nat.missing_tools({"home"})
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def upnp_available(nat_available: None) -> None:
+    """`nat_available`, and miniupnpd for the gateways that map ports ("upnp")."""
+    from testnet import nat
+
+    reason = nat.missing_tools({"upnp"})
+    if reason:
+        pytest.skip(reason)
+
+
+def node_context(*, run: Any = None, config: dict[str, Any] | None = None,
+                 **parts: Any) -> SimpleNamespace:
+    """A stand-in for node.service.NodeContext holding only what the service under test
+    reads: `parts` become its attributes (substrate, membership, checkpoints, ...), `config`
+    its config's, and `run` (a RunContext or a SimpleNamespace of the fields read) is both
+    `ctx.run` and what `ctx.the_run()` returns; `phases` is a fresh Phases unless given.
+    What the test left out raises AttributeError, so a service that starts reading more
+    fails loudly rather than on a default."""
+    from node.service import Phases
+
+    ctx = SimpleNamespace(**{"phases": Phases(), **parts}, run=run)
+    if config is not None:
+        ctx.config = SimpleNamespace(**config)
+
+    def the_run() -> Any:
+        if ctx.run is None:
+            raise RuntimeError("this service needs a run; the test gave none")
+        return ctx.run
+
+    ctx.the_run = the_run
+    return ctx
 
 
 def run_cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.CompletedProcess:

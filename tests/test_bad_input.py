@@ -18,7 +18,7 @@ from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx
 from testnet import launcher
-from tests.conftest import answer, await_until, cli, run_cli, status
+from tests.conftest import answer, await_until, cli, run_cli, shared_testnet, status
 
 UNKNOWN_RUN = mf.run_id(b"no such run")
 
@@ -53,9 +53,12 @@ def test_bootstrap_that_is_not_a_multiaddr(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
+#: One idle node for the tests that join it with a wrong id or send it garbage.
+net = shared_testnet(1, extra_node_args=["--no-train"], timeout=120)
+
+
 @pytest.mark.slow
-def test_wrong_run_id_names_the_run_and_what_to_check(testnet_factory):
-    net = testnet_factory(1, extra_node_args=["--no-train"], timeout=120)
+def test_wrong_run_id_names_the_run_and_what_to_check(net):
     r = run_cli("join", UNKNOWN_RUN, "--bootstrap", net.bootstrap_addr, "--state-dir",
                 str(Path(net.dir) / "stranger"), "--join-timeout", "3", "--no-train",
                 "--listen", launcher.LOOPBACK)
@@ -102,8 +105,7 @@ async def test_manifest_that_does_not_match_its_id_is_rejected(tmp_path):
 
 
 @pytest.mark.slow
-async def test_garbage_and_oversized_frames_do_not_hurt_the_node(testnet_factory):
-    net = testnet_factory(1, extra_node_args=["--no-train"], timeout=120)
+async def test_garbage_and_oversized_frames_do_not_hurt_the_node(net):
     node = next(p for p in net.procs if p.name == "node1")
     addr = answer(node)["addrs"][0]
     me = Substrate(create_new_key_pair(), [launcher.LOOPBACK])

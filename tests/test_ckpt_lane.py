@@ -18,8 +18,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.checkpoints import exchange as ckpt_sync
 from node.checkpoints.store import CheckpointError, CheckpointStore
-from node.lane import LaneListener, LaneStream, connect_lane
-from node.streams import next_event
+from node.transport.lane import LaneListener, LaneStream, connect_lane
+from node.transport.streams import next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx

@@ -21,15 +21,15 @@ from node.membership.view import Membership
 from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.trainer.loop import TrainConfig, Trainer
 from node.ml.trainer.tasks import TaskConfig, build_task
-from node.service import Phases
 from node.training.rounds import Outcome, TrainingStats
 from node.training.service import TrainingService
 from node.training.state import checkpoint_tensors
+from node.transport.transports import Transports
 from p2p.host import Substrate
 from protocols import ckpt_exchange as cx
 from protocols import keys, rundoc
 from protocols.heartbeat import Heartbeat
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -52,10 +52,9 @@ def node_ctx(me: Substrate, signer: keys.Signer, doc: rundoc.RunDocument, state:
     """What the checkpoint service reads of a node: its run, host, store, membership."""
     run = SimpleNamespace(run_id=RUN, document=doc, progress=TrainingStats(),
                           manifest=SimpleNamespace(checkpoint=SimpleNamespace(keep=3)))
-    return SimpleNamespace(the_run=lambda: run, phases=Phases(), substrate=me,
-                           peer_id=signer.peer_id, open_stream=None,
-                           path_of=lambda peer: "direct", checkpoints=CheckpointStore(state),
-                           membership=membership or Membership(signer.peer_id, 60.0))
+    return node_context(run=run, substrate=me, peer_id=signer.peer_id,
+                        transports=Transports(me), checkpoints=CheckpointStore(state),
+                        membership=membership or Membership(signer.peer_id, 60.0))
 
 
 def listed(doc: rundoc.RunDocument, writer: keys.Signer, cid: str, step: int) -> None:

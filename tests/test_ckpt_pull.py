@@ -14,6 +14,7 @@ from node.checkpoints.store import CheckpointStore
 from p2p.host import Substrate
 from protocols import ckpt_exchange as cx
 from protocols.checkpoint import CHUNK_BYTES
+from tests.conftest import node_context
 
 RUN = "Qmf3x5zkVshbXGLWkZM6tigievvtjHPyP1UH8bNqpTjJpW"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -25,14 +26,13 @@ def joining(doc, me: Substrate, state: Path):
     from types import SimpleNamespace
 
     from node.checkpoints.service import CheckpointService
-    from node.service import Phases
+    from node.transport.transports import Transports
 
     synced = trio.Event()
     synced.set()
     service = CheckpointService(publish=lambda delta: None, synced=synced)
-    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN, document=doc),
-                          phases=Phases(), substrate=me, open_stream=None,
-                          path_of=lambda peer: "direct", checkpoints=CheckpointStore(state))
+    ctx = node_context(run=SimpleNamespace(run_id=RUN, document=doc), substrate=me,
+                       transports=Transports(me), checkpoints=CheckpointStore(state))
     return service, ctx
 
 
@@ -47,7 +47,7 @@ async def test_pull_survives_a_stalling_and_a_lying_provider(tmp_path: Path):
         await trio.sleep_forever()
 
     async def lie(stream):  # answers every request with garbage of the right shape
-        from node.streams import next_event
+        from node.transport.streams import next_event
 
         decoder = cx.REQUEST_LIMITS.decoder()
         while True:
@@ -270,8 +270,8 @@ async def test_the_trainer_does_not_wait_for_the_checkpoint_s_dht_provide(tmp_pa
         provided.append(key)
         announced.set()
 
-    ctx = SimpleNamespace(the_run=lambda: SimpleNamespace(run_id=RUN), checkpoints=store,
-                          substrate=SimpleNamespace(dht=SimpleNamespace(provide=provide)))
+    ctx = node_context(run=SimpleNamespace(run_id=RUN), checkpoints=store,
+                       substrate=SimpleNamespace(dht=SimpleNamespace(provide=provide)))
     service = CheckpointService(publish=lambda delta: None, synced=trio.Event())
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run, ctx)

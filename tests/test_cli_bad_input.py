@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from node.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
+from node.process.priority import SESSION_NICE_ENV, TRAINER_NICE, session_nice
 from node.status.control import query_control
 from protocols import manifest as mf
 from testnet import launcher
-from tests.conftest import REPO, cli, run_cli, wait_until
-from tests.test_swarm_training import FAST_RUN
+from tests.conftest import FAST_RUN, REPO, cli, run_cli, shared_testnet, wait_until
 
 RUN = mf.run_id(b"no such run")
 CID = "QmV5uCatEhFTiiheNrcwqYx3eEPCvWgFt68pxHjVDgz2hx"
@@ -125,13 +124,6 @@ def test_bad_values_get_one_line_and_the_documented_exit_code(files, argv, code,
 # -- real node processes ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def fast_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "fast.toml"
-    path.write_text(FAST_RUN)
-    return path
-
-
 def start_join(net: launcher.Testnet, state_dir: Path, *extra: str,
                own_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -150,13 +142,20 @@ def step(state_dir: Path) -> int:
         return 0
 
 
+#: Testnets of one node that does not train, each shared by the tests below that join it
+#: or point at it (every joiner has a state directory of its own): the fast run's, for
+#: joiners that train, and the default run's.
+fast_net = shared_testnet(1, FAST_RUN, extra_node_args=["--no-train"])
+idle_net = shared_testnet(1, extra_node_args=["--no-train"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
-def test_a_training_node_stops_cleanly(testnet_factory, fast_manifest, tmp_path, sig, code):
+def test_a_training_node_stops_cleanly(fast_net, tmp_path, sig, code):
     """Ctrl-C in a terminal (the node shares the terminal's session), SIGTERM from a
     service manager (a session of its own). Training lowers the session's CPU priority
-    only when the session is the node's own (node/priority.py)."""
-    net = testnet_factory(1, manifest=fast_manifest, extra_node_args=["--no-train"])
+    only when the session is the node's own (node/process/priority.py)."""
+    net = fast_net
     state = tmp_path / "trainer"
     own_session = sig == signal.SIGTERM
     p = start_join(net, state, own_session=own_session)
@@ -180,8 +179,8 @@ def test_a_training_node_stops_cleanly(testnet_factory, fast_manifest, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_second_node_on_a_live_state_directory_is_refused(testnet_factory):
-    net = testnet_factory(1, extra_node_args=["--no-train"])
+def test_a_second_node_on_a_live_state_directory_is_refused(idle_net):
+    net = idle_net
     node = next(p for p in net.procs if p.name == "node1")
     state = Path(node.state_dir)
     before = {name: (state / name).read_bytes() for name in ("addrs.json", "control.json")}
@@ -201,8 +200,8 @@ def test_a_second_node_on_a_live_state_directory_is_refused(testnet_factory):
 
 
 @pytest.mark.slow
-def test_data_shorter_than_the_context_is_refused_before_joining(testnet_factory, tmp_path):
-    net = testnet_factory(1, extra_node_args=["--no-train"])
+def test_data_shorter_than_the_context_is_refused_before_joining(idle_net, tmp_path):
+    net = idle_net
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("a few bytes of text\n" * 20)  # 400 bytes: the demo's context is 128
     r = run_cli("join", net.run_id, "--bootstrap", net.bootstrap_addr, "--listen",

@@ -3,6 +3,8 @@ for (node/averaging/adapt.py), and a real exchange between two hosts uses it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import trio
@@ -81,8 +83,12 @@ async def test_a_relayed_partner_is_averaged_with_only_under_the_runs_relay_limi
     # network.relay_exchange_mb: both sides see the relayed path and decide alike, so a
     # payload over the limit costs a local step at once (no deadline waited out), counted.
     kwargs = {"codecs": adapt.supported(codec), "auto_codec": codec == adapt.AUTO,
-              "path_of": lambda peer: "relayed via QmRelay", "relay_limit": limit}
+              "relay_limit": limit}
     subs, ids, avgs, _ = averager_pair(**kwargs)
+    relayed = SimpleNamespace(paths=lambda: dict.fromkeys(ids, "relayed via QmRelay"),
+                              rtt_ms={})
+    for avg in avgs:
+        avg.transports.attach(kinds=relayed)
     vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
     async with trio.open_nursery() as nursery:
         for s in subs:

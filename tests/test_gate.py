@@ -205,8 +205,8 @@ async def test_bytes_of_streams_we_refused_are_dropped_not_held_against_the_send
     count in the sender's bytes_per_peer. A handler that refuses without reading (history
     gossip at a node that does not run SybilWall) kept an honest sender over its budget,
     so its next streams were refused and it was banned (a CI run of the SybilWall swarm
-    test). Streams closed through node.streams.close_quietly drop what was not read."""
-    from node.streams import close_quietly
+    test). Streams closed through node.transport.streams.close_quietly drop what was not read."""
+    from node.transport.streams import close_quietly
 
     node = Substrate(create_new_key_pair(), [LOOPBACK],
                      gate=Gate(BudgetLimits(bytes_per_peer=300_000)))

@@ -31,7 +31,6 @@ from protocols import heartbeat as hb
 from protocols import manifest_exchange as mx
 from testnet import launcher
 from tests.conftest import await_until, nodes, status, training, wait_until
-from tests.test_swarm_training import FAST_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +64,6 @@ def payloads(protocol: str) -> dict[str, bytes]:
         huge = struct.pack(">I", 2**31) + b"x" * 64
         truncated = struct.pack(">I", 60_000) + b"y" * 100
     return {"huge": huge, "truncated": truncated, "junk": os.urandom(MIB)}
-
-
-@pytest.fixture
-def fast_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "fast.toml"
-    path.write_text(FAST_RUN)
-    return path
 
 
 async def test_a_hostile_peer_is_bounded_and_banned_while_training_goes_on(

@@ -20,8 +20,7 @@ import pytest
 from node.discovery import remembered
 from node.status.control import query_control
 from testnet import launcher
-from tests.conftest import REPO, cli, run_cli, wait_until
-from tests.test_swarm_training import FAST_RUN
+from tests.conftest import FAST_RUN, REPO, cli, run_cli, wait_until
 
 DEAD = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWMjaBEkKWfJNw1JoiV6UqwyqrtfienDAHyutXwAgii5RE"
 

@@ -15,8 +15,7 @@ import pytest
 
 from node.status.control import NETNS_ENV, query_control
 from testnet import netns
-from tests.conftest import REPO, cli, wait_until
-from tests.test_swarm_training import FAST_RUN
+from tests.conftest import FAST_RUN, REPO, cli, wait_until
 
 pytestmark = pytest.mark.slow
 

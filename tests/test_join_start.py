@@ -11,11 +11,12 @@ import trio.testing
 
 from node.membership import heartbeats
 from node.membership.heartbeats import HeartbeatService
+from tests.conftest import node_context
 
 
 def test_a_new_nodes_first_heartbeats_come_sooner_then_every_interval():
     sent: list[float] = []
-    ctx = SimpleNamespace(
+    ctx = node_context(
         peer_id="12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo", device="cpu",
         substrate=SimpleNamespace(addrs=lambda: ["/ip4/127.0.0.1/tcp/1"]),
         own_stats=lambda: {"step": 0},
@@ -40,11 +41,10 @@ def test_a_joiner_waits_for_the_run_documents_first_sync_while_members_are_heard
     SYNC_WAIT_S; one that hears training members waits for the sync, up to
     SYNC_WAIT_LOADING_S: giving up after 6 s under load made it train from scratch."""
     from node.checkpoints import service as ckpt
-    from node.service import Phases
 
     def ended_after(heard: bool, synced_at: float | None) -> float:
-        ctx = SimpleNamespace(phases=Phases(), the_run=lambda: SimpleNamespace(
-            document=SimpleNamespace(entries=lambda: [])))  # no checkpoint listed
+        ctx = node_context(run=SimpleNamespace(  # no checkpoint listed
+            document=SimpleNamespace(entries=lambda: [])))
 
         async def main() -> float:
             synced = trio.Event()

@@ -8,8 +8,8 @@ import os
 import pytest
 import trio
 
-from node.lane import LaneListener, connect_lane
-from node.streams import pump, write_chunks
+from node.transport.lane import LaneListener, connect_lane
+from node.transport.streams import pump, write_chunks
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.lane import HEADER_BYTES, MAX_PLAINTEXT, MAX_RECORD, TAG_BYTES, Opener, Sealer
 from protocols.wire import FrameDecoder, TensorFrame, encode_tensor_frame, make_tensor_header

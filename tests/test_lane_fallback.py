@@ -4,13 +4,16 @@ the libp2p stream, and after LANE_RETRY_S the lane is offered again."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.averaging import service as averaging
 from node.averaging.service import Averager
-from node.lane import connect_lane
+from node.transport.lane import connect_lane
+from node.transport.transports import Transports
 from p2p.host import Substrate
 
 from .conftest import averager_pair, exchange_both
@@ -76,15 +79,16 @@ def test_only_a_direct_path_is_offered_a_lane():
     # punched port is open), a relay or a data channel it cannot connect.
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     kinds = {"a": "direct", "b": "punched", "c": "upnp", "d": "relayed via X"}
-    avg = Averager(sub, "run", "me", lambda: list(kinds), codecs=["fp32"],
-                   path_of=lambda peer: kinds[peer])
+    door = Transports(sub)
+    door.attach(kinds=SimpleNamespace(paths=lambda: kinds, rtt_ms={}))
+    avg = Averager(sub, "run", "me", lambda: list(kinds), codecs=["fp32"], transports=door)
     assert [p for p in kinds if avg._lane_for(p)] == ["a"]
 
 
 async def test_a_responder_behind_a_nat_takes_the_round_on_the_stream(monkeypatch):
     # The initiator sees a direct path (the NATed responder dialed it) and offers a lane;
     # the responder knows no one can connect to a fresh port of its own (its reach
-    # verdict: NodeContext.lane_dialable) and answers without one. Measured before this
+    # verdict: Transports.lane_dialable) and answers without one. Measured before this
     # (`node bench paths`): the initiator's lane dial timed out and the round was lost.
     dials: list[int] = []
 
@@ -95,7 +99,7 @@ async def test_a_responder_behind_a_nat_takes_the_round_on_the_stream(monkeypatc
     monkeypatch.setattr(averaging, "connect_lane", recorded)
     subs, _ids, avgs, initiator = averager_pair()
     responder = avgs[1 - avgs.index(initiator)]
-    responder.lane_dialable = lambda: False
+    responder.transports.attach(lane_dialable=lambda: False)
     vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
     async with trio.open_nursery() as nursery:
         for s in subs:

@@ -1,4 +1,4 @@
-"""torch loads in the background (node/preload.py): the CLI and the daemon's modules import
+"""torch loads in the background (node/process/preload.py): the CLI and the daemon's modules import
 no torch, a joiner connects, discovers and hears its peers while torch cannot load, then
 trains once it can; `--device cuda` without CUDA is refused before anything is dialed."""
 
@@ -15,7 +15,7 @@ import torch
 
 from protocols import manifest as mf
 from testnet import launcher
-from tests.conftest import REPO, run_cli, status, wait_until
+from tests.conftest import FAST_RUN, REPO, run_cli, shared_testnet, status, wait_until
 
 NO_TORCH = """
 import sys
@@ -79,20 +79,6 @@ from cli.main import app
 app()
 """
 
-FAST_RUN = """
-schema = 1
-[run]
-name = "lazy-torch"
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[train]
-batch_size = 8
-[outer]
-inner_steps = 50
-"""
 
 
 def start_gated_joiner(net: launcher.Testnet, tmp_path: Path
@@ -120,12 +106,13 @@ def wait_for_torch_gate(proc: subprocess.Popen, joiner: launcher.Proc, tmp_path:
     return wait_until(waiting_for_torch, 180, "the joiner to hear its peer and wait for torch")
 
 
+#: The run both joiners below join (each a state directory of its own): one testnet start.
+net = shared_testnet(1, FAST_RUN, timeout=180)
+
+
 @pytest.mark.slow
-def test_a_joiner_connects_and_hears_peers_before_torch_loads_then_trains(testnet_factory,
+def test_a_joiner_connects_and_hears_peers_before_torch_loads_then_trains(net,
                                                                          tmp_path: Path):
-    manifest = tmp_path / "run.toml"
-    manifest.write_text(FAST_RUN)
-    net = testnet_factory(1, manifest=manifest, timeout=180)
     proc, joiner, gate = start_gated_joiner(net, tmp_path)
     try:
         st = wait_for_torch_gate(proc, joiner, tmp_path)
@@ -148,12 +135,9 @@ def test_a_joiner_connects_and_hears_peers_before_torch_loads_then_trains(testne
 
 
 @pytest.mark.slow
-def test_a_joiner_stopped_while_torch_loads_exits_at_once(testnet_factory, tmp_path: Path):
+def test_a_joiner_stopped_while_torch_loads_exits_at_once(net, tmp_path: Path):
     """Its trainer is built in the background once torch is in (node/training/build.py,
     `Prebuild`); a stop before that must not wait for torch, which here never loads."""
-    manifest = tmp_path / "run.toml"
-    manifest.write_text(FAST_RUN)
-    net = testnet_factory(1, manifest=manifest, timeout=180)
     proc, joiner, _ = start_gated_joiner(net, tmp_path)
     try:
         wait_for_torch_gate(proc, joiner, tmp_path)

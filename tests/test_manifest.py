@@ -595,6 +595,8 @@ def test_changing_one_value_changes_the_id(doc, data):
             return
     if isinstance(value, str) and field == "codec":
         new = "fp32" if value != "fp32" else "int8"
+    if isinstance(value, str) and field == "compile":
+        new = "off" if value != "off" else "on"
     changed = {**m.model_dump(by_alias=True),
                section: {**current.model_dump(), field: new}}
     other = mf.Manifest.model_validate(changed)

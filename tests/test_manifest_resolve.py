@@ -13,6 +13,7 @@ from node.errors import ManifestRejected, RunNotFound
 from node.run import manifest as service
 from protocols import manifest as mf
 from testnet import launcher
+from tests.conftest import node_context
 
 MANIFEST = mf.load_manifest_file(launcher.default_manifest_path())
 RUN_ID = mf.run_id(mf.canonical_bytes(MANIFEST))
@@ -38,8 +39,8 @@ def _ctx(connected: list[str], providers: list[str] | None) -> SimpleNamespace:
         peer_id=Peer("QmMe"), connected_peers=lambda: [Peer(p) for p in connected],
         dht=SimpleNamespace(find_providers=find_providers),
         gate=SimpleNamespace(penalize=lambda peer, why: penalized.append((peer, why))))
-    return SimpleNamespace(runs=SimpleNamespace(get=lambda run_id: None), substrate=substrate,
-                           config=SimpleNamespace(join_timeout_s=30.0), penalized=penalized)
+    return node_context(runs=SimpleNamespace(get=lambda run_id: None), substrate=substrate,
+                        config={"join_timeout_s": 30.0}, penalized=penalized)
 
 
 @pytest.fixture

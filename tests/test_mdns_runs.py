@@ -13,14 +13,14 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from node.discovery.mdns import MdnsService
 from node.discovery.sources import Source, connect_first
 from p2p.host import Substrate
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def _ctx(sub: Substrate, run_id: str | None, serves: tuple[str, ...] = ()) -> SimpleNamespace:
-    return SimpleNamespace(substrate=sub, config=SimpleNamespace(run_id=run_id),
-                           runs=SimpleNamespace(run_ids=lambda: list(serves)))
+    return node_context(substrate=sub, config={"run_id": run_id},
+                        runs=SimpleNamespace(run_ids=lambda: list(serves)))
 
 
 async def test_a_joiner_takes_only_mdns_peers_of_its_own_run():

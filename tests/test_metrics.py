@@ -157,7 +157,9 @@ def _status() -> dict:
                             "refused": {"slots_full": 2}},
                 "dht_operations": {"get": {**Timings().snapshot(), "failures": 1}}},
         "membership": {"peers": [{"peer_id": peer}], "members": [{"peer_id": peer}],
-                       "heartbeats_sent": 9, "rejected_heartbeats": 2},
+                       "heartbeats_sent": 9, "rejected_heartbeats": 2,
+                       "heartbeat_interval_s": 20.0, "inbound_heartbeats_per_s": 49.5,
+                       "throttled_heartbeats": 7},
         "training": {"step": 40, "round": 2, "loss": 2.5, "val_loss": 2.7, "lr": 1e-3,
                      "params": 1000, "compute_s": 9.0, "compute_fraction": 0.9,
                      "rounds_averaged": 2, "rounds_local": 1},
@@ -232,6 +234,9 @@ def test_collector_families_parse_with_prometheus_parser():
     assert value("peertrain_peers", path="direct") == 1
     assert value("peertrain_checkpoint_held_bytes") == 4096
     assert value("peertrain_inbound_slots_in_use") == 3
+    assert value("peertrain_heartbeat_interval_seconds") == 20.0
+    assert value("peertrain_heartbeats_inbound_per_second") == 49.5
+    assert value("peertrain_heartbeats_throttled", "peertrain_heartbeats_throttled_total") == 7
     assert value("peertrain_inbound_connections_refused",
                  "peertrain_inbound_connections_refused_total", reason="slots_full") == 2
 
@@ -380,3 +385,37 @@ def test_dashboard_and_docs_name_only_metrics_the_node_exports():
     assert families <= {re.sub(r"_(total|info)$", "", n) for n in documented} | {
         "peertrain_node"}, sorted(families - {re.sub(r"_(total|info)$", "", n)
                                               for n in documented})
+
+
+def test_both_pages_load_the_shared_helpers_first_and_never_redeclare_them(tmp_path):
+    """The status page and a testnet's swarm page draw with one static/common.js (and style
+    with one common.css), served by both servers and loaded before the page's own. A page
+    script that declared one of its names again would stop with a SyntaxError (classic
+    scripts share one global scope) and leave its page blank: no name is declared twice."""
+    import re
+    from importlib import resources
+
+    from node.metrics.service import MetricsService
+    from testnet.swarm import SwarmPage
+
+    def static(package: str, name: str) -> str:
+        return resources.files(package).joinpath("static", name).read_text()
+
+    def declared(script: str) -> set[str]:
+        return set(re.findall(r"^(?:const|let|var|function|async function)\s+([\w$]+)",
+                              script, re.MULTILINE))
+
+    common = static("node.metrics", "common.js")
+    shared = declared(common)
+    assert {"el", "fmt", "lossText", "training", "ago", "lossFrame", "poll"} <= shared
+    for routes, html, own in (
+            (MetricsService(dict, None).server.routes, static("node.metrics", "index.html"),
+             "/status.js"),
+            (SwarmPage(tmp_path).server.routes, static("testnet", "swarm.html"), "/swarm.js")):
+        assert routes["/common.js"]().body == common.encode()
+        assert routes["/common.css"]().body == static("node.metrics", "common.css").encode()
+        assert '<link rel="stylesheet" href="/common.css">\n<style>' in html
+        scripts = re.findall(r'<script src="([^"]+)"></script>', html)
+        assert scripts == ["/common.js", own], scripts
+        body = routes[own]().body.decode()
+        assert not declared(body) & shared, (own, declared(body) & shared)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import answer, nodes, wait_until
+from tests.conftest import answer, nodes, shared_testnet, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,11 @@ def _value(families: dict, name: str, sample: str | None = None) -> float:
     return next(s.value for s in families[name].samples if s.name == (sample or name))
 
 
-def test_metrics_of_a_training_node_parse_and_step_advances(testnet_factory):
-    net = testnet_factory(2)
+#: One 2-node testnet for both tests: the page test reads what the scrape test waited for.
+net = shared_testnet(2)
+
+
+def test_metrics_of_a_training_node_parse_and_step_advances(net):
     node1, node2 = nodes(net)
     url = _url(node1.state_dir)
     # The first exchange fills the averaging families (a histogram needs one to exist).
@@ -76,8 +79,7 @@ def test_metrics_of_a_training_node_parse_and_step_advances(testnet_factory):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get "
                     "install chromium; .ci/run installs it)")
-def test_status_page_in_headless_chromium(testnet_factory, tmp_path):
-    net = testnet_factory(2)
+def test_status_page_in_headless_chromium(net, tmp_path):
     node1, node2 = nodes(net)
     url = _url(node1.state_dir)
     other = answer(node2)["peer_id"]

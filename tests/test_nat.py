@@ -31,13 +31,6 @@ trio.run(main)
 """
 
 
-@pytest.fixture
-def nat_available() -> None:
-    reason = netns.available() or nat.missing_tools({"upnp"})
-    if reason:
-        pytest.skip(reason)
-
-
 def reach(p: launcher.Proc) -> dict:
     return status(p).get("reach") or {}
 
@@ -50,7 +43,7 @@ def gateway_rules(topo: netns.Topology, name: str) -> str:
 
 @pytest.mark.slow  # a bootstrap and two NATed nodes, each a process in its namespace
 def test_autonat_upnp_mapping_dial_through_it_and_a_gateway_that_refuses(
-    nat_available, testnet_factory
+    upnp_available, testnet_factory
 ):
     net = testnet_factory(2, extra_node_args=["--no-train"], timeout=180,
                           nat={"node1": "upnp", "node2": "upnp-deny"})
@@ -99,7 +92,7 @@ def test_autonat_upnp_mapping_dial_through_it_and_a_gateway_that_refuses(
 
 
 @pytest.mark.slow  # namespaces and a miniupnpd, no node process
-def test_namespaces_a_crashed_launcher_left_are_removed_by_down(nat_available, tmp_path):
+def test_namespaces_a_crashed_launcher_left_are_removed_by_down(upnp_available, tmp_path):
     directory = tmp_path / "tn"
     directory.mkdir()
     tag = netns.tag_for(str(directory))
@@ -139,7 +132,7 @@ while (d := c.recv(1)): c.sendall(d)
 
 
 @pytest.mark.slow  # namespaces and a delay line, no node process
-def test_the_delay_line_adds_the_round_trip_time_through_a_nat(nat_available, tmp_path):
+def test_the_delay_line_adds_the_round_trip_time_through_a_nat(upnp_available, tmp_path):
     tag = netns.tag_for(str(tmp_path))
     topo = nat.create(tag, ["a", "b"], {"b": "home"}, rtt_ms=40, rate="100mbit",
                       workdir=str(tmp_path))
@@ -161,7 +154,7 @@ def relay(p: launcher.Proc) -> dict:
 
 
 @pytest.mark.slow  # a bootstrap, a public node and two symmetric-NAT nodes, each a process
-def test_two_symmetric_nat_nodes_train_together_only_through_relays(nat_available,
+def test_two_symmetric_nat_nodes_train_together_only_through_relays(upnp_available,
                                                                      testnet_factory):
     # node1 and node2 average only with each other (fixed neighbours); neither can be
     # dialed (a symmetric NAT drops unsolicited packets and cannot be punched), so every

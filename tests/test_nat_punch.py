@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from testnet import launcher, nat, netns
+from testnet import launcher, netns
 from tests.conftest import answer, status, training, wait_until
-
-
-@pytest.fixture
-def nat_available() -> None:
-    reason = netns.available() or nat.missing_tools({"home"})
-    if reason:
-        pytest.skip(reason)
 
 
 def paths(p: launcher.Proc) -> dict[str, dict]:

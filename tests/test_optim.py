@@ -289,11 +289,14 @@ def test_an_exchange_deadline_grows_with_the_partner_s_round_trip_time():
     from types import SimpleNamespace
 
     from node.averaging.service import HANDSHAKE_RTTS, Averager
+    from node.transport.transports import Transports
 
     substrate = SimpleNamespace(set_handler=lambda *args: None, listen=[])
     rtt = {"near": 0.001, "far": 0.5}
+    door = Transports(substrate)  # type: ignore[arg-type]
+    door.attach(kinds=SimpleNamespace(paths=dict, rtt_ms={k: v * 1000 for k, v in rtt.items()}))
     avg = Averager(substrate, "run", "a", lambda: ["near", "far"], codecs=["fp32"],
-                   step_time=lambda: 0.2, inner_steps=50, rtt_of=rtt.get)
+                   step_time=lambda: 0.2, inner_steps=50, transports=door)
     numel = 10_000_000  # 80 MB both ways at the 50 MB/s prior: 1.6 s, x4
     near, far, unmeasured = (avg.deadline(p, numel) for p in ("near", "far", "new"))
     assert far - near == pytest.approx(HANDSHAKE_RTTS * (0.5 - 0.001))

@@ -6,6 +6,7 @@ The backoff runs on trio's clock; these tests let it pass with pytest-trio's
 
 from __future__ import annotations
 
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
@@ -103,3 +104,97 @@ async def test_malformed_member_addresses_are_skipped():
     members = {good: [good_addr], "12D3KooWbad": 42, "12D3KooWworse": [1, 2]}
     r = Redialer(host, [], lambda: members)  # type: ignore[arg-type]
     assert await r.tick() == 1 and host.dialed == [good]
+
+
+# -- the connection bound (issue 30): plan_connections and the redialer that follows it --
+
+import random  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from node.membership.redial import plan_connections  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_members=st.integers(0, 2000), n_connected=st.integers(0, 200),
+       want=st.integers(0, 40), extra=st.integers(0, 40), seed=st.integers(0, 2**32 - 1),
+       probe=st.booleans())
+def test_the_plan_never_dials_past_the_deficit_nor_keeps_past_the_cap(
+        n_members, n_connected, want, extra, seed, probe):
+    members = {f"m{i}": ["/a"] for i in range(n_members)}
+    connected = {f"m{i}" for i in range(0, min(n_members, n_connected))} | {
+        f"x{i}" for i in range(max(0, n_connected - n_members))}
+    live = {f"m{i}" for i in range(0, n_members, 3)}
+    protected = {p for p in sorted(connected)[:5]}
+    dial, close = plan_connections(connected, members, want=want, max_peers=want + extra,
+                                   rng=random.Random(seed), live=live, protected=protected,
+                                   probe=probe)
+    assert not set(dial) & connected and set(dial) <= set(members)
+    assert len(dial) == len(set(dial)) <= max(want - len(connected), 1 if probe else 0)
+    if len(connected) < want:  # everybody it could dial, up to the deficit
+        assert len(dial) == min(want - len(connected), n_members - len(connected & set(members)))
+        unconnected_live = live - connected
+        assert set(dial) >= unconnected_live or set(dial) <= unconnected_live  # live first
+    assert set(close) <= connected - protected and len(close) == len(set(close))
+    assert len(connected) - len(close) <= max(want + extra, len(protected & connected))
+    if len(connected) <= want + extra:
+        assert close == []
+    # the same seed, the same plan: the simulator replays it
+    assert (dial, close) == plan_connections(connected, members, want=want,
+                                             max_peers=want + extra, rng=random.Random(seed),
+                                             live=live, protected=protected, probe=probe)
+
+
+def test_the_plan_refuses_a_cap_below_want():
+    with pytest.raises(ValueError):
+        plan_connections([], {}, want=8, max_peers=4, rng=random.Random(0))
+
+
+class ClosingHost(FakeHost):
+    def __init__(self, reachable: set[str]) -> None:
+        super().__init__(reachable)
+        self.closed: list[str] = []
+
+    async def disconnect(self, peer: ID) -> None:
+        self.closed.append(peer.to_base58())
+        self.connected.discard(peer.to_base58())
+
+
+async def test_a_run_of_a_thousand_members_costs_want_peers_dials_not_a_thousand(
+        autojump_clock):
+    members = dict(peer_addr(1000 + i) for i in range(1000))
+    host = ClosingHost(reachable=set(members))
+    live = sorted(members)[:100]
+    r = Redialer(host, [], lambda: {p: [a] for p, a in members.items()}, want_peers=8,
+                 max_peers=16, live=lambda: live, rng=random.Random(1))
+    assert await r.tick() == 8
+    assert len(host.dialed) == 8 and set(host.dialed) <= set(live)  # live members first
+    host.dialed.clear()
+    await r.tick()
+    assert len(host.dialed) == 1  # enough: only the probe (the first at once)
+    await r.tick()
+    assert len(host.dialed) == 1  # ... then one every probe_s
+    await trio.sleep(r.probe_s)
+    await r.tick()
+    assert len(host.dialed) == 2
+    assert len(host.connected) == 10
+
+
+async def test_past_max_peers_the_oldest_unprotected_connections_are_closed(autojump_clock):
+    boot, boot_addr = peer_addr(1)
+    others = [peer_addr(2000 + i)[0] for i in range(40)]
+    host = ClosingHost(reachable=set())
+    host.connected = {boot, *others}
+    keep = others[0]
+    r = Redialer(host, [boot_addr], lambda: {}, want_peers=8, max_peers=16, grace_s=60.0,
+                 live=lambda: others[:10], protect=lambda: {keep}, rng=random.Random(2))
+    await r.tick()
+    assert host.closed == []  # all of them are young: within the grace period
+    await trio.sleep(61.0)
+    await r.tick()
+    assert len(host.connected) == 16 and len(host.closed) == 25
+    assert boot in host.connected and keep in host.connected
+    # peers that are not live members went first: the 10 live ones all stay
+    assert len(set(others[:10]) & host.connected) == 10
+    assert r.statistics()["closed_over_max"] == 25

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from node.membership.view import Membership
 from node.pipe import convergence
 from protocols.heartbeat import Heartbeat
+from tests.conftest import node_context
 
 
 def service_hearing(*beats: tuple[str, int, float, dict], me: str = "z0", stage: int = 0):
@@ -28,9 +29,9 @@ def service_hearing(*beats: tuple[str, int, float, dict], me: str = "z0", stage:
         membership.heard(Heartbeat(peer, seq=seq + 1, stats={"t": wall - ago, "stage": s,
                                                              "staged": 1, **more}),
                          now=now - ago, wall=wall)
-    service._ctx = SimpleNamespace(membership=membership, peer_id=me, run=None,
-                                   config=SimpleNamespace(peer_ttl_s=5.0, heartbeat_s=1.0),
-                                   phases=SimpleNamespace(started=now))
+    service._ctx = node_context(membership=membership, peer_id=me,
+                                config={"peer_ttl_s": 5.0, "heartbeat_s": 1.0},
+                                phases=SimpleNamespace(started=now))
     service.stage, service.training, service.worker = stage, True, object()
     service._stop = threading.Event()
     return service

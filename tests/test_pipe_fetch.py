@@ -8,7 +8,7 @@ import torch
 import trio
 
 from node.pipe.fetch import Stalls, WeightsFetcher
-from node.streams import next_event
+from node.transport.streams import next_event
 from protocols import pipeline as pipe
 
 RUN = "QmRun"

@@ -9,7 +9,7 @@ import pytest
 
 from node.ml.pipeline import schedule
 from node.pipe import placement as pl
-from tests.conftest import REPO
+from tests.conftest import REPO, node_context
 
 
 def test_a_joiner_takes_the_stage_with_the_fewest_live_hosts_lowest_on_ties():
@@ -171,8 +171,7 @@ def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkey
         for peer, ago in beats:
             membership.heard(Heartbeat(peer, seq=1, stats={"t": wall - ago, "stage": 0}),
                              wall=wall)
-        service._ctx = SimpleNamespace(membership=membership,
-                                       config=SimpleNamespace(peer_ttl_s=5.0))
+        service._ctx = node_context(membership=membership, config={"peer_ttl_s": 5.0})
         return sorted(e.peer_id for e in service.live(first_choice=True))
 
     assert view(("dead", 7.0)) == ["dead"]  # nothing fresher heard yet: it may be alive
@@ -207,7 +206,6 @@ def test_a_lost_replica_leaves_the_routes_within_a_ttl_and_the_survivor_waits_fo
     the stage map (so the routes and the claims) no longer lists it, and the surviving
     stage-1 host expects both first-stage replicas' micro-batches each step."""
     import time
-    from types import SimpleNamespace
 
     import node.pipe.service as ps
     from node.membership.view import Membership
@@ -225,8 +223,8 @@ def test_a_lost_replica_leaves_the_routes_within_a_ttl_and_the_survivor_waits_fo
             (f"s{s}{x}", s, 0) for s in range(2, n) for x in "ab"]:
         membership.heard(Heartbeat(peer, seq=1, stats={"t": wall, "stage": stage}),
                          now=now - ago, wall=wall)
-    service._ctx = SimpleNamespace(membership=membership, peer_id="s1a", run=None,
-                                   config=SimpleNamespace(peer_ttl_s=5.0))
+    service._ctx = node_context(membership=membership, peer_id="s1a",
+                                config={"peer_ttl_s": 5.0})
     service.stage = 1
     smap = service.stage_map()
     assert smap[1] == ["s1a"] and smap[0] == ["s0a", "s0b"]

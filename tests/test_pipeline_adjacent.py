@@ -4,23 +4,19 @@ replacements rebuild them from the stages around the lost pair (docs/pipeline.md
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testnet import launcher
 
-from .conftest import nodes, pipeline, pipeline_testnet, wait_until
+from .conftest import nodes, pipeline, pipeline_net, wait_until
 from .test_pipeline_live import pipeline_report, wait_for_training
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    with pipeline_testnet(tmp_path_factory.mktemp("adj") / "tn", stages=4) as net:
-        yield net
+net = pipeline_net(stages=4)
 
 
 def test_two_adjacent_stages_are_rebuilt_from_the_stages_around_them(net):

@@ -7,27 +7,23 @@ micro-batches visit the first two and the last two stages in swapped order."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testnet import launcher
 
-from .conftest import answer, nodes, pipeline, pipeline_testnet, wait_until
+from .conftest import answer, nodes, pipeline, pipeline_net, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    directory = tmp_path_factory.mktemp("edge")
-    text = launcher.scenario_manifest_path("pipeline").read_text()
+def checkfree_plus(text: str) -> str:
     assert 'recovery = "checkfree"' in text
-    manifest = directory / "manifest.toml"
-    manifest.write_text(text.replace('recovery = "checkfree"', 'recovery = "checkfree+"'))
-    with pipeline_testnet(directory / "tn", stages=4, manifest=manifest) as net:
-        yield net
+    return text.replace('recovery = "checkfree"', 'recovery = "checkfree+"')
+
+
+net = pipeline_net(stages=4, manifest=checkfree_plus)
 
 
 def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from testnet import launcher
 
-from .conftest import cli, nodes, pipeline, pipeline_testnet, wait_until
+from .conftest import cli, nodes, pipeline, pipeline_net, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +43,7 @@ def pipeline_report(net: launcher.Testnet) -> str:
     return "\n".join(out)
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    with pipeline_testnet(tmp_path_factory.mktemp("pipe") / "tn", stages=4) as net:
-        yield net
+net = pipeline_net(stages=4)
 
 
 def wait_for_training(net: launcher.Testnet, steps: int = 0) -> None:

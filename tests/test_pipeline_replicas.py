@@ -6,21 +6,17 @@ loss falls (docs/pipeline.md, "Replicas")."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from testnet import launcher
 
-from .conftest import answer, nodes, pipeline, pipeline_testnet, wait_until
+from .conftest import answer, nodes, pipeline, pipeline_net, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[launcher.Testnet]:
-    with pipeline_testnet(tmp_path_factory.mktemp("pipe2") / "tn", stages=2) as net:
-        yield net
+net = pipeline_net(stages=2)
 
 
 def test_each_host_averages_with_the_other_host_of_its_stage(net):

@@ -8,7 +8,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from node import preload
+from node.process import preload
 from node.training.build import Prebuild
 
 

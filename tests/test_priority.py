@@ -1,4 +1,4 @@
-"""A training node's CPU priority (node/priority.py): its session yields to the machine's
+"""A training node's CPU priority (node/process/priority.py): its session yields to the machine's
 other sessions only when the session is the node's own."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node.priority import (
+from node.process.priority import (
     SESSION_NICE_ENV,
     TRAINER_NICE,
     session_nice,
@@ -22,7 +22,7 @@ needs_autogroup = pytest.mark.skipif(
     session_nice() is None, reason="no /proc/self/autogroup (Linux autogroup scheduling)")
 
 # Lowers its session, then prints what it returned and the session's nice after.
-PROBE = ("from node.priority import lower_session_priority as lower, session_nice;"
+PROBE = ("from node.process.priority import lower_session_priority as lower, session_nice;"
          "print(lower(), lower(), session_nice())")
 
 

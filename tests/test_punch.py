@@ -25,7 +25,7 @@ from node.reach.punch import PROTOCOL_ID, Backoff, HolePunchService, PunchError,
 from node.reach.relays import RelayService
 from p2p.addrs import Network
 from p2p.host import Substrate
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 # -- the schedule, on the autojump clock --------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_only_tcp_addresses_are_dialed_and_no_more_than_eight():
 
 
 def _ctx(sub: Substrate) -> SimpleNamespace:
-    return SimpleNamespace(substrate=sub)
+    return node_context(substrate=sub)
 
 
 def _refuse_dial_peer(sub: Substrate, peer) -> None:

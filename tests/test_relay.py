@@ -8,7 +8,6 @@ other only through a public node) is in tests/test_nat.py."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import trio
@@ -22,7 +21,7 @@ from node.reach.relay import RelayLimits
 from node.reach.relays import RelayService
 from p2p import circuit
 from p2p.host import DialError, Substrate
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 ECHO = "/peertrain-test/echo/1"
 
@@ -75,7 +74,7 @@ async def test_reserve_dial_through_and_every_limit_refused_with_a_reason(relay_
         for sub, svc in ((r, rs), (a, as_), (b, None), (c, cs)):
             await nursery.start(sub.serve)
             if svc is not None:
-                await nursery.start(svc.run, SimpleNamespace(substrate=sub))
+                await nursery.start(svc.run, node_context(substrate=sub))
         a.set_handler(ECHO, _echo)
         await a.connect(r.addrs()[0])
 
@@ -135,7 +134,7 @@ async def test_a_silent_circuit_is_closed_at_its_duration_and_a_private_node_nev
         for sub, svc in ((r, rs), (a, as_), (b, None), (p, ps)):
             await nursery.start(sub.serve)
             if svc is not None:
-                await nursery.start(svc.run, SimpleNamespace(substrate=sub))
+                await nursery.start(svc.run, node_context(substrate=sub))
         await a.connect(r.addrs()[0])
         rid = r.peer_id.to_base58()
         await await_until(lambda: rid in as_.held, 30, "A's reservation")
@@ -162,7 +161,7 @@ async def test_renewal_fallback_dial_and_garbage_or_bogus_addresses(relay_logs):
         for sub, svc in ((r, rs), (a, as_), (d, None)):
             await nursery.start(sub.serve)
             if svc is not None:
-                await nursery.start(svc.run, SimpleNamespace(substrate=sub))
+                await nursery.start(svc.run, node_context(substrate=sub))
         a.set_handler(ECHO, _echo)
         await a.connect(r.addrs()[0])
         rid = r.peer_id.to_base58()
@@ -210,7 +209,7 @@ async def test_reservations_from_one_ip_are_capped():
     clients = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]
     async with trio.open_nursery() as nursery:
         await nursery.start(r.serve)
-        await nursery.start(rs.run, SimpleNamespace(substrate=r))
+        await nursery.start(rs.run, node_context(substrate=r))
         outcomes = []
         for c in clients:
             await nursery.start(c.serve)
@@ -237,7 +236,7 @@ async def test_garbage_on_the_stop_protocol_is_scored_banned_and_its_log_bounded
     attacker = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     async with trio.open_nursery() as nursery:
         await nursery.start(n.serve)
-        await nursery.start(ns.run, SimpleNamespace(substrate=n))
+        await nursery.start(ns.run, node_context(substrate=n))
         await nursery.start(attacker.serve)
         peer = await attacker.connect(n.addrs()[0])
         bad = attacker.peer_id.to_base58()

@@ -10,11 +10,9 @@ and after this branch): it guards the loopback case."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import trio
 
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 from tests.test_relay import ECHO, _echo, _node, _send
 
 
@@ -25,7 +23,7 @@ async def test_a_second_relayed_connection_keeps_the_relay_link_and_the_reservat
         for sub, svc in ((r, rs), (a, as_), (b, bs), (c, None)):
             await nursery.start(sub.serve)
             if svc is not None:
-                await nursery.start(svc.run, SimpleNamespace(substrate=sub))
+                await nursery.start(svc.run, node_context(substrate=sub))
         for sub in (a, b, c):
             sub.set_handler(ECHO, _echo)
         await a.connect(r.addrs()[0])

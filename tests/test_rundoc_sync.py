@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from node.run.rundoc_sync import topic
+from node.run.rundoc_sync import now_ms, topic
 from p2p.host import Substrate
 from protocols import keys, rundoc
 from testnet import launcher
-from tests.conftest import answer, await_until, members, nodes, status, wait_until
+from tests.conftest import answer, await_until, members, nodes, shared_testnet, status, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
@@ -33,8 +32,11 @@ def digests(net: launcher.Testnet) -> set[str]:
             if p.name != "bootstrap"}
 
 
-def test_replicas_converge_and_survive_a_restart(testnet_factory):
-    net = testnet_factory(3, extra_node_args=["--no-train"], timeout=120)
+#: Three idle nodes for both tests: the forged entries go to node1 (restarted or not).
+net = shared_testnet(3, extra_node_args=["--no-train"], timeout=120)
+
+
+def test_replicas_converge_and_survive_a_restart(net):
     members3 = nodes(net)
     for p in members3:
         wait_until(lambda p=p: len(members(p)) == 2, 60,
@@ -63,9 +65,8 @@ def test_replicas_converge_and_survive_a_restart(testnet_factory):
     assert loaded and loaded[-1] >= held, (loaded, held)
 
 
-async def test_forged_and_foreign_entries_are_rejected(testnet_factory):
+async def test_forged_and_foreign_entries_are_rejected(net):
     """A peer gossips an entry in another peer's namespace and one with a bad signature."""
-    net = testnet_factory(1, extra_node_args=["--no-train"], timeout=120)
     node = next(p for p in net.procs if p.name == "node1")
     victim = answer(node)["peer_id"]
     kp = create_new_key_pair()
@@ -73,9 +74,9 @@ async def test_forged_and_foreign_entries_are_rejected(testnet_factory):
     signer = keys.Signer(kp.private_key.to_bytes()[:32])
     mine = rundoc.RunDocument(net.run_id, signer, [])
     trespass = rundoc.sign_entry(net.run_id, signer, f"peer/{victim}/addrs", ["/evil"],
-                                 rundoc.Stamp(rundoc_now(), 0, signer.peer_id))
+                                 rundoc.Stamp(now_ms(), 0, signer.peer_id))
     good = rundoc.sign_entry(net.run_id, signer, f"peer/{signer.peer_id}/role", "node",
-                             rundoc.Stamp(rundoc_now(), 1, signer.peer_id))
+                             rundoc.Stamp(now_ms(), 1, signer.peer_id))
     forged = rundoc.Entry(good.key, good.packed, good.hlc, False, b"\x00" * 64)
     st = answer(node)
     before = st["run_document"]["rejected"]
@@ -99,7 +100,3 @@ async def test_forged_and_foreign_entries_are_rejected(testnet_factory):
     assert all("/evil" not in m.get("addrs", []) for m in st["membership"]["members"])
     log = (Path(node.state_dir) / "node.log").read_text()
     assert "rejected peer/" in log
-
-
-def rundoc_now() -> int:
-    return time.time_ns() // 1_000_000

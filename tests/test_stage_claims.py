@@ -12,6 +12,7 @@ import trio
 from node.ml.recovery.sources import Source, rank
 from node.pipe import stage_ckpt
 from node.pipe.fetch import WeightsFetcher
+from tests.conftest import node_context
 from tests.test_pipe_convergence import service_hearing
 
 SWARM = 1000
@@ -117,6 +118,6 @@ def test_heartbeats_of_a_stage_host_report_trained():
                                                    val_loss=None, grad_norm=None),
                           stage=1, manifest=SimpleNamespace(pipeline=object()),
                           stage_training=True)
-    ctx = SimpleNamespace(run=run, phases=SimpleNamespace(started=0.0))
+    ctx = node_context(run=run, phases=SimpleNamespace(started=0.0))
     stats = NodeContext.own_stats(ctx)  # type: ignore[arg-type]
     assert (stats["step"], stats["trained"]) == (1000, 3)

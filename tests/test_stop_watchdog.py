@@ -15,6 +15,7 @@ import trio
 
 from node.status.control import ControlService
 from node.status.stuck import EXIT_STUCK
+from tests.conftest import node_context
 
 
 def stuck_cleanup(release: threading.Event) -> None:
@@ -46,7 +47,7 @@ async def test_a_stop_that_hangs_is_reported_and_ends(tmp_path: Path):
         release.set()
 
     control = ControlService({}, grace_s=0.5, exit=exit)
-    ctx = SimpleNamespace(config=SimpleNamespace(state_dir=tmp_path))
+    ctx = node_context(config={"state_dir": tmp_path})
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:  # the node runs in a task of its own
             nursery.start_soon(run_node, ctx, control, release)
@@ -56,7 +57,7 @@ async def test_a_stop_that_hangs_is_reported_and_ends(tmp_path: Path):
 async def test_the_report_names_the_stuck_task_and_thread(tmp_path: Path, caplog):
     release = threading.Event()
     control = ControlService({}, grace_s=0.5, exit=lambda code: release.set())
-    ctx = SimpleNamespace(config=SimpleNamespace(state_dir=tmp_path))
+    ctx = node_context(config={"state_dir": tmp_path})
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:  # the node runs in a task of its own
             nursery.start_soon(run_node, ctx, control, release)
@@ -69,7 +70,7 @@ async def test_the_report_names_the_stuck_task_and_thread(tmp_path: Path, caplog
 async def test_a_node_that_stops_in_time_is_left_alone(tmp_path: Path):
     exits: list[int] = []
     control = ControlService({}, grace_s=30.0, exit=exits.append)
-    ctx = SimpleNamespace(config=SimpleNamespace(state_dir=tmp_path))
+    ctx = node_context(config={"state_dir": tmp_path})
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_node, ctx, control, None)

@@ -12,48 +12,35 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from node.checkpoints.store import CheckpointStore
-from node.streams import write_chunks
+from node.transport.streams import write_chunks
 from p2p.host import Substrate
 from protocols import averaging as av
 from protocols import heartbeat as hb
 from protocols.wire import NEED_DATA, encode_tensor_frame, make_tensor_header
 from testnet import launcher
-from tests.conftest import await_until, cli, nodes, peers, status, training, wait_until
+from tests.conftest import (
+    FAST_RUN,
+    await_until,
+    cli,
+    nodes,
+    peers,
+    shared_testnet,
+    status,
+    training,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
-FAST_RUN = """
-schema = 1
-[run]
-name = "swarm-test"
-[model]
-task = "bytes-gpt"
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[train]
-batch_size = 8
-lr = 3e-3
-warmup_steps = 10
-eval_every = 50
-eval_batches = 2
-[outer]
-algorithm = "noloco"
-inner_steps = 100
-codec = "bf16"
-"""
 
 
-@pytest.fixture
-def fast_manifest(tmp_path: Path) -> Path:
-    path = tmp_path / "fast.toml"
-    path.write_text(FAST_RUN)
-    return path
+#: One 3-node NoLoCo swarm for the tests that watch it train: the loss test, then the
+#: SIGKILL test, which restarts the node it kills (it comes last of the two).
+swarm = shared_testnet(3, FAST_RUN, timeout=180)
 
 
-def test_loss_falls_on_every_node_and_rounds_are_averaged(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
+def test_loss_falls_on_every_node_and_rounds_are_averaged(swarm):
+    net = swarm
     for p in nodes(net):
         t = wait_until(lambda p=p: (t := training(p)).get("rounds_averaged", 0) >= 3
                        and t["val_loss"] is not None and t["val_loss"] < t["first_val_loss"]
@@ -77,8 +64,8 @@ def test_diloco_all_reduces_across_three_nodes_while_the_trainers_wait(testnet_f
         assert sum(x["exchanges"] for x in partners.values()) >= 3
 
 
-def test_sigkill_mid_run_does_not_stall_the_others(testnet_factory, fast_manifest):
-    net = testnet_factory(3, manifest=fast_manifest, timeout=180)
+def test_sigkill_mid_run_does_not_stall_the_others(swarm):
+    net = swarm
     node1, node2, node3 = nodes(net)
     for p in (node1, node2):
         wait_until(lambda p=p: training(p).get("rounds_averaged", 0) >= 2, 240,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher
-from tests.conftest import answer, cli, nodes, peers, status, wait_until
+from tests.conftest import answer, cli, nodes, peers, shared_testnet, status, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts node processes
 
@@ -23,8 +23,35 @@ def ids(net: launcher.Testnet) -> dict[str, str]:
     return {p.name: answer(p)["peer_id"] for p in net.procs}
 
 
-def test_four_nodes_see_each_other_then_down_leaves_nothing(testnet_factory):
-    net = testnet_factory(4, extra_node_args=["--no-train"], timeout=120)
+#: Four idle nodes for the two tests below, in this order: node3 is killed and comes back,
+#: then all four must see each other before `down` stops them (the fixture's own `down`
+#: then finds nothing left).
+net = shared_testnet(4, extra_node_args=["--no-train"], timeout=120)
+
+
+def test_sigkilled_node_leaves_views_and_comes_back_with_same_id(net):
+    peer_ids = ids(net)
+    victim = peer_ids["node3"]
+    survivors = [p for p in net.procs if p.name in ("node1", "node2")]
+    for p in survivors:
+        wait_until(lambda p=p: victim in peers_of(p), 60, f"{p.name} to see node3")
+
+    node3 = launcher.kill_node(net, "node3", signal.SIGKILL)
+    wait_until(lambda: not launcher.alive(node3.pid, node3.state_dir), 30, "node3 to die")
+    # Leaving a view takes the peer TTL (5 s) plus a heartbeat on an idle machine; the
+    # deadline is for a loaded one (the TTL itself: tests/test_peerbook.py).
+    for p in survivors:
+        wait_until(lambda p=p: victim not in peers_of(p), 60, f"{p.name} to drop node3")
+
+    launcher.restart_node(net, "node3")
+    node3 = next(p for p in net.procs if p.name == "node3")
+    wait_until(lambda: status(node3).get("phase") == "running", 120, "node3 to rejoin")
+    assert answer(node3)["peer_id"] == victim
+    for p in survivors:
+        wait_until(lambda p=p: victim in peers_of(p), 60, f"{p.name} to see node3 again")
+
+
+def test_four_nodes_see_each_other_then_down_leaves_nothing(net):
     members = nodes(net)
     peer_ids = ids(net)
     # A deadline, not a timed assertion: how fast views converge is a benchmark's business
@@ -49,29 +76,6 @@ def test_four_nodes_see_each_other_then_down_leaves_nothing(testnet_factory):
     pids = [p.pid for p in net.procs]
     assert launcher.down(Path(net.dir)) == 5
     assert not any(launcher.alive(pid) for pid in pids)
-
-
-def test_sigkilled_node_leaves_views_and_comes_back_with_same_id(testnet_factory):
-    net = testnet_factory(3, extra_node_args=["--no-train"], timeout=120)
-    peer_ids = ids(net)
-    victim = peer_ids["node3"]
-    survivors = [p for p in net.procs if p.name in ("node1", "node2")]
-    for p in survivors:
-        wait_until(lambda p=p: victim in peers_of(p), 60, f"{p.name} to see node3")
-
-    node3 = launcher.kill_node(net, "node3", signal.SIGKILL)
-    wait_until(lambda: not launcher.alive(node3.pid, node3.state_dir), 30, "node3 to die")
-    # Leaving a view takes the peer TTL (5 s) plus a heartbeat on an idle machine; the
-    # deadline is for a loaded one (the TTL itself: tests/test_peerbook.py).
-    for p in survivors:
-        wait_until(lambda p=p: victim not in peers_of(p), 60, f"{p.name} to drop node3")
-
-    launcher.restart_node(net, "node3")
-    node3 = next(p for p in net.procs if p.name == "node3")
-    wait_until(lambda: status(node3).get("phase") == "running", 120, "node3 to rejoin")
-    assert answer(node3)["peer_id"] == victim
-    for p in survivors:
-        wait_until(lambda p=p: victim in peers_of(p), 60, f"{p.name} to see node3 again")
 
 
 def test_ctrl_c_and_sigterm_stop_a_node_quietly(testnet_factory):

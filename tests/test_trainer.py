@@ -11,7 +11,6 @@ import torch
 
 from node.ml.trainer import (
     GPT,
-    CheckpointError,
     ConfigError,
     DataError,
     DeviceError,
@@ -21,6 +20,7 @@ from node.ml.trainer import (
     TaskConfig,
     TrainConfig,
     Trainer,
+    TrainerStateError,
     TrainingDiverged,
     build_task,
     get_batch,
@@ -251,7 +251,7 @@ def test_state_dict_resumes_exactly(digits_task):
     assert b.step_count == 5
     assert a.step().loss == b.step().loss
     assert torch.equal(a.parameters_vector(), b.parameters_vector())
-    with pytest.raises(CheckpointError):
+    with pytest.raises(TrainerStateError):
         b.load_state_dict({**state, "version": 999})
 
 

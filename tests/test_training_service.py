@@ -13,7 +13,7 @@ import trio
 from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.trainer.loop import TrainConfig, Trainer
 from node.ml.trainer.tasks import TaskConfig, build_task
-from node.priority import TRAINER_NICE
+from node.process.priority import TRAINER_NICE
 from node.training.rounds import Outcome
 from node.training.service import TrainingService
 from tests.conftest import await_until

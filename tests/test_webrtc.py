@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from types import SimpleNamespace
 
 import torch
 import trio
@@ -17,6 +16,7 @@ from node.averaging.service import Averager
 from node.checkpoints.exchange import CheckpointServer, pull
 from node.checkpoints.store import CheckpointStore
 from node.reach.relays import RelayService
+from node.transport.transports import Transports
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.service import WebRtcService
@@ -26,7 +26,7 @@ from protocols import averaging as av
 from protocols import ckpt_exchange as cx
 from protocols import webrtc_signal as sig
 from protocols.wire import Envelope, encode_envelope
-from tests.conftest import await_until
+from tests.conftest import await_until, node_context
 
 NUMEL = 500_000  # 2 MB of fp32 each way
 
@@ -101,8 +101,8 @@ async def _relayed_pair(nursery):
     nodes = [_node("public"), _node("private"), _node("private")]
     for sub, relay, rtc in nodes:
         await nursery.start(sub.serve)
-        await nursery.start(relay.run, SimpleNamespace(substrate=sub))
-        await nursery.start(rtc.run, SimpleNamespace(substrate=sub))
+        await nursery.start(relay.run, node_context(substrate=sub))
+        await nursery.start(rtc.run, node_context(substrate=sub))
     (r, _, rtc_r), (a, relay_a, _), (b, _, _) = nodes
     for sub in (a, b):
         await sub.connect(r.addrs()[0])
@@ -134,11 +134,13 @@ async def test_two_relayed_peers_get_a_webrtc_path_and_average_and_pull_over_it(
 
         # an averaging round over the data channel, both ways
         subs, rtcs = [a, b], [rtc_a, rtc_b]
+        doors = [Transports(s) for s in subs]
+        for door, rtc in zip(doors, rtcs, strict=True):
+            door.attach(channels=rtc)  # the averager serves on the data channels too
         avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=["fp32"],
-                         step_time=lambda: 20.0, inner_steps=1, open_stream=rtc.open_stream)
-                for s, rtc, me, other in zip(subs, rtcs, ids, reversed(ids), strict=True)]
-        for avg, rtc in zip(avgs, rtcs, strict=True):
-            rtc.set_handler(av.PROTOCOL_ID, avg.handle)
+                         step_time=lambda: 20.0, inner_steps=1, transports=door)
+                for s, door, me, other in zip(subs, doors, ids, reversed(ids), strict=True)]
+        assert all(av.PROTOCOL_ID in rtc.handlers for rtc in rtcs)
         vectors = [torch.full((NUMEL,), float(i)) for i in range(2)]
         outcomes: list = [None, None]
 
@@ -192,7 +194,7 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
     async with trio.open_nursery() as nursery:
         for sub in subs:
             await nursery.start(sub.serve)
-        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        await nursery.start(rtc.run, node_context(substrate=target))
         for sub in (low, high):
             await sub.connect(target.addrs()[0])
 
@@ -228,7 +230,7 @@ async def test_garbage_and_oversized_offers_are_refused_with_a_reason_and_the_ho
         assert rtc.statistics()["refused"] == 6 and not rtc.sessions
         # the host is up and answers: a real offer from `low` gets an answer
         session_svc = WebRtcService(lambda: "private")
-        await nursery.start(session_svc.run, SimpleNamespace(substrate=low))
+        await nursery.start(session_svc.run, node_context(substrate=low))
         session = await session_svc.connect(target.peer_id.to_base58())
         assert session.up.is_set()
         nursery.cancel_scope.cancel()
@@ -246,7 +248,7 @@ async def test_offers_over_a_direct_connection_are_refused_scored_and_start_no_s
     async with trio.open_nursery() as nursery:
         for sub in subs:
             await nursery.start(sub.serve)
-        await nursery.start(rtc.run, SimpleNamespace(substrate=target))
+        await nursery.start(rtc.run, node_context(substrate=target))
         await low.connect(target.addrs()[0])
         hostile = low.peer_id.to_base58()
         replies = []

@@ -19,13 +19,6 @@ from testnet import nat, netns
 from tests.conftest import REPO, answer, run_cli, status, wait_until
 
 
-@pytest.fixture
-def nat_available() -> None:
-    reason = netns.available() or nat.missing_tools({"home"})
-    if reason:
-        pytest.skip(reason)
-
-
 def _run_pair(tmp_path: Path, kind: str, mb: int, ice_timeout: float,
               rate: str | None = None, rtt_ms: float | None = None) -> dict[str, dict]:
     """Run the three peers (also the measurement: /tmp scripts call it with a rate)."""

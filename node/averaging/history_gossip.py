@@ -30,7 +30,7 @@ from libp2p.peer.id import ID
 
 from node.ml.aggregate.history import HistoryEntry
 from node.service import NodeContext
-from node.streams import close_quietly
+from node.transport.streams import close_quietly
 from protocols import history as hp
 from protocols.errors import ProtocolError
 

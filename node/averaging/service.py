@@ -29,9 +29,10 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.averaging import adapt
-from node.lane import LaneListener, connect_lane, listen_host
-from node.streams import close_quietly, pump, write_chunks
 from node.training.rounds import Outcome
+from node.transport.lane import LaneListener, connect_lane, listen_host
+from node.transport.streams import ByteStream, close_quietly, pump, write_chunks
+from node.transport.transports import Transports
 from p2p.host import Substrate
 from p2p.timing import Timings
 from protocols import averaging as av
@@ -114,10 +115,8 @@ class Averager:
                  stats: Any = None, lanes: bool = True, neighbours: int | None = None,
                  fixed_neighbours: list[str] | None = None,
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
-                 open_stream: Callable[[ID, str], Awaitable[Any]] | None = None,
-                 path_of: Callable[[str], str] | None = None, auto_codec: bool = False,
-                 all_reduce: bool = False, rtt_of: Callable[[str], float | None] | None = None,
-                 lane_dialable: Callable[[], bool] = lambda: True,
+                 transports: Transports | None = None, auto_codec: bool = False,
+                 all_reduce: bool = False,
                  relay_limit: int | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
@@ -152,35 +151,27 @@ class Averager:
         self.lanes = lanes
         self.lane_failed: dict[str, float] = {}
         self.lane_host = listen_host(substrate)
-        # A partner's path kind (node/reach/paths.py: direct, punched, upnp, relayed via X):
-        # a lane is a fresh TCP dial to the partner's address, so only a `direct` path has
-        # one. A punched NAT forwards the punched port alone, and a lane dialled there
-        # waited out every round (the substrate alone calls a punched connection direct).
-        self.path_of = path_of or (lambda peer: substrate.peer_paths().get(peer, "direct"))
-        # As responder we listen for the lane the initiator offered, so we accept it only
-        # where the partner can reach a fresh port of ours (NodeContext.lane_dialable):
+        # How each partner is reached (node/transport/transports.py): its streams (a data
+        # channel to a peer reached only through a relay, counted apart below), its path
+        # kind, its measured round trip. A lane is a fresh TCP dial to the partner's
+        # address, so only a `direct` path has one: a punched NAT forwards the punched port
+        # alone, and a lane dialled there waited out every round. As responder we accept a
+        # lane only where the partner can reach a fresh port of ours (`lane_dialable`):
         # from behind a NAT, or a UPnP mapping of the libp2p port alone, the partner's dial
         # timed out and the round was lost (measured: `node bench paths`).
-        self.lane_dialable = lane_dialable
+        self.transports = transports or Transports(substrate)
         # The manifest's network.relay_exchange_mb in bytes (None: no limit): a partner
         # reached only through a relay is averaged with only while the codec's payload
         # fits; else both sides take a local step at once, as both see the relayed path.
         self.relay_limit = relay_limit
         self.after_round = after_round
-        # A partner's measured round-trip time in seconds (node/reach/paths.py pings every
-        # connected peer), None until measured: an exchange's handshake costs a few.
-        self.rtt_of = rtt_of or (lambda peer: None)
-        # Where the initiator's stream comes from: the substrate, or the webrtc service,
-        # which hands out a data channel to a peer reached only through a relay
-        # (node/webrtc/); its streams say so in `path`, counted apart below.
-        self.open_stream = open_stream
         self._in_flight: Counter[str] = Counter()  # partner -> exchanges under way
         # DiLoCo (`allreduce`): each round is an all-reduce of pairwise swaps, planned from
         # the membership when our trainer reaches the boundary (round -> our steps).
         self.all_reduce = all_reduce
         self._plans: dict[int, list[Any]] = {}
         self._nursery: trio.Nursery | None = None
-        substrate.set_handler(PROTOCOL_ID, self.handle)
+        self.transports.serve(PROTOCOL_ID, self.handle)
 
     async def run(self, ctx: object = None, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -233,7 +224,7 @@ class Averager:
         that failed (a firewall, a NAT) usually fails again, but networks change. Never
         over a relayed connection: its remote address is the relay's, so the lane would
         dial the relay's IP (and lose the round) instead of the partner."""
-        if self.path_of(partner) != "direct":
+        if self.transports.path_of(partner) != "direct":
             return False
         failed = self.lane_failed.get(partner)
         if failed is not None and time.monotonic() - failed >= LANE_RETRY_S:
@@ -244,7 +235,7 @@ class Averager:
     def _over_relay_limit(self, partner: str, numel: int) -> str | None:
         """Why `partner` is not averaged with now, if it is reached only through a relay
         and our payload to it is over the run's relay limit; else None."""
-        path = self.path_of(partner)
+        path = self.transports.path_of(partner)
         if self.relay_limit is None or not path.startswith("relayed"):
             return None
         setting = adapt.AUTO if self.auto_codec else self.codecs[0]
@@ -280,7 +271,7 @@ class Averager:
             # slower than the LAN prior, a local round each (`node bench wan --gpu`)
             transfer = max(transfer, self.expected_exchange_s(numel))
         skew = 0.5 * self.inner_steps * self.step_time()
-        rtt = self.rtt_of(partner) or 0.0
+        rtt = self.transports.rtt_s(partner) or 0.0
         return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
 
     def expected_exchange_s(self, numel: int) -> float:
@@ -426,8 +417,7 @@ class Averager:
             log.info("round %d: exchange with %s failed (%s); local step", r, partner, e)
 
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
-        open_stream = self.open_stream or self.substrate.open_stream
-        stream = await open_stream(ID.from_base58(partner), PROTOCOL_ID)
+        stream = await self.transports.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
             # never a lane beside a data channel: it has no address to dial
             lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \
@@ -463,7 +453,7 @@ class Averager:
         if not self.auto_codec:
             return self.codecs
         st = self.partners.get(partner)
-        return adapt.offer(adapt.AUTO, numel, path=self.path_of(partner),
+        return adapt.offer(adapt.AUTO, numel, path=self.transports.path_of(partner),
                            wire_rate=st.wire_bytes_per_s if st else None,
                            round_s=self.inner_steps * self.step_time())
 
@@ -515,7 +505,8 @@ class Averager:
                                              f"not {offer.numel}"))
                 return
             codec = av.negotiate(offer.codecs, self.codecs)
-            if not (self.lanes and av.LANE_TCP in offer.lanes and self.lane_dialable()):
+            if not (self.lanes and av.LANE_TCP in offer.lanes
+                    and self.transports.lane_dialable()):
                 await stream.write(ex.accept(codec))
                 slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer,
                                                       _path(stream), r)
@@ -537,7 +528,7 @@ class Averager:
 
     # -- both sides -----------------------------------------------------------------
 
-    async def _swap(self, stream: INetStream, ex: av.Exchange, snapshot: Any, partner: str,
+    async def _swap(self, stream: ByteStream, ex: av.Exchange, snapshot: Any, partner: str,
                     path: str, r: int) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         started = time.monotonic()
@@ -572,7 +563,7 @@ class Averager:
         st.last_codec = ex.codec
         return ex.received_vector()
 
-    async def _next(self, stream: INetStream, ex: av.Exchange) -> Any:
+    async def _next(self, stream: ByteStream, ex: av.Exchange) -> Any:
         return await pump(stream, ex.next_event, ex.receive_data, into=ex)
 
 

@@ -6,7 +6,7 @@ chunk from a shared queue, and a chunk that fails (timeout, stall, wrong hash, r
 back into the queue while that provider is dropped. Chunks already on disk are skipped, so
 an interrupted pull resumes where it stopped. Nothing is loaded that failed verification.
 
-Chunks travel on a bulk lane (node/lane.py) when the provider offers one, LANE_WINDOW
+Chunks travel on a bulk lane (node/transport/lane.py) when the provider offers one, LANE_WINDOW
 requests in flight; else (an older node, a lane that cannot be reached, a busy server) on
 the libp2p stream, one request at a time. Why: the provider is usually a trainer, and
 beside its trainer thread the stream served ~10 MB/s, 60% of it in Yamux/Noise writes and
@@ -28,10 +28,11 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from node.checkpoints.holders import MAX_UPLOADS, UploadSlots
 from node.checkpoints.store import CheckpointError, CheckpointStore
-from node.lane import LaneListener, LaneStream, connect_lane, listen_host
 from node.service import NodeContext
-from node.streams import StreamEnded, next_event
+from node.transport.lane import LaneListener, LaneStream, connect_lane, listen_host
+from node.transport.streams import StreamEnded, next_event
 from p2p.host import Substrate
 from protocols import checkpoint as ck
 from protocols import ckpt_exchange as cx
@@ -55,8 +56,11 @@ class CheckpointServer:
     protocols = (cx.PROTOCOL_ID,)
 
     def __init__(self, store: CheckpointStore, lane_host: str = "127.0.0.1",
-                 lanes: bool = True) -> None:
+                 lanes: bool = True, max_uploads: int = MAX_UPLOADS) -> None:
         self.store = store
+        # At most max_uploads askers served at once (a stream and a lane of one asker count
+        # once); the next is refused as busy and its pull moves to its other holders.
+        self.uploads = UploadSlots(max_uploads)
         self.lane_host, self.lanes = lane_host, lanes  # where lanes listen; offered at all?
         self.served = 0
         self.missing = 0
@@ -68,18 +72,22 @@ class CheckpointServer:
     async def run(self, ctx: NodeContext, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.lane_host = listen_host(ctx.substrate)
-        self.lane_dialable = ctx.lane_dialable
-        ctx.substrate.set_handler(cx.PROTOCOL_ID, self.handle)
+        self.lane_dialable = ctx.transports.lane_dialable
+        ctx.transports.serve(cx.PROTOCOL_ID, self.handle)
         task_status.started()
         await trio.sleep_forever()
 
     def statistics(self) -> dict[str, Any]:
         return {"served": self.served, "not_held": self.missing,
+                "uploads": self.uploads.askers, "max_uploads": self.uploads.cap,
+                "refused_busy": self.uploads.refused,
                 "served_on_lanes": self.served_on_lanes, "lanes_open": self.lanes_open,
                 "lanes_refused": self.lanes_refused}
 
     async def handle(self, stream: INetStream) -> None:
         decoder = cx.REQUEST_LIMITS.decoder()
+        asker = _asker(stream)
+        slot = False  # one of the `uploads` slots, taken on the first request
         try:
             while True:
                 with trio.fail_after(cx.REQUEST_LIMITS.deadline_s or 30.0):
@@ -90,6 +98,12 @@ class CheckpointServer:
                 if not isinstance(env, Envelope):
                     raise RemoteProtocolError("expected a request")
                 kind, cid, index = cx.parse_request(env)
+                if not slot:
+                    if not self.uploads.acquire(asker):  # its pull asks its other holders
+                        await stream.write(cx.refuse(
+                            env, f"busy: serving {self.uploads.cap} askers", "busy"))
+                        return
+                    slot = True
                 if kind == "ckpt.lane":
                     await self._offer_lane(stream, env, cid)
                     return  # the session goes on on the lane, if at all
@@ -100,8 +114,9 @@ class CheckpointServer:
                     self.served += 1
                 await stream.write(cx.respond(env, data, index))
         finally:
+            if slot:
+                self.uploads.release(asker)
             await stream.close()
-
 
     async def _offer_lane(self, stream: INetStream, env: Envelope, cid: str) -> None:
         if not self.store.latest_ok(cid):
@@ -174,6 +189,12 @@ class CheckpointServer:
         errors = await _together(read_requests, send_chunks)
         if errors:
             raise errors[0]  # as one handler's error, for the guard to classify
+
+
+def _asker(stream: Any) -> str:
+    """The peer at the other end of `stream` (its id; a test's bare stream: its own id)."""
+    peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
+    return peer.to_base58() if peer is not None else f"stream-{id(stream)}"
 
 
 async def _together(*tasks: Callable[[], Any]) -> list[Exception]:
@@ -274,8 +295,10 @@ class _Session:
                 return None  # busy: the stream carries the chunks
             raise
         assert self.stream is not None
-        host = self.stream.get_remote_address()[0]
-        return await connect_lane(host, port, key, timeout=LANE_CONNECT_S)
+        remote = self.stream.get_remote_address()
+        if remote is None:  # a data channel has no address to dial: the stream carries on
+            return None
+        return await connect_lane(remote[0], port, key, timeout=LANE_CONNECT_S)
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -515,6 +538,7 @@ async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid:
             async with to_store:
                 while not finished.is_set():
                     while len(inflight) < LANE_WINDOW:  # keep the provider busy
+                        index: int | None
                         try:
                             index = receive.receive_nowait()
                         except trio.WouldBlock:

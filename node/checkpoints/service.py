@@ -3,9 +3,11 @@ save the trainer's snapshots, and keep what we hold announced (and only that).
 
 * Joining mid-run (nothing held locally): wait briefly for a first run-document sync,
   take the newest checkpoint in its index and pull it at once from the holders the index
-  lists (its writer), the DHT's providers of it joining in when that lookup (bounded) returns
-  (node/checkpoints/exchange.py). The service reports ready only then, so the trainer
-  starts from it.
+  lists (its writer, and every node that pulled it before: `holders.SOURCES` of them,
+  chosen by rendezvous hash, node/checkpoints/holders.py), the DHT's providers of it joining
+  in when that lookup (bounded) returns (node/checkpoints/exchange.py). The service reports
+  ready only then, so the trainer starts from it; once the pull is vetted the node
+  announces itself as one more holder (`peer/<id>/ckpt/<cid>` naming the `writer`).
 * Saving: snapshots are written in a worker thread, retention keeps the newest
   `checkpoint.keep`, and each checkpoint is announced under our own namespace of the run
   document (`peer/<id>/ckpt/<cid>`) and as a DHT provider record. Whatever retention
@@ -15,7 +17,6 @@ save the trainer's snapshots, and keep what we hold announced (and only that).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,9 +24,11 @@ import trio
 from libp2p.peer.id import ID
 
 from node.checkpoints import exchange
+from node.checkpoints.holders import SOURCES, choose_holders
 from node.errors import NodeError
+from node.run.rundoc_sync import now_ms
 from node.service import NodeContext
-from protocols.rundoc import checkpoint_index, ckpt_key
+from protocols.rundoc import checkpoint_holders, checkpoint_index, ckpt_key
 
 log = logging.getLogger("node.ckpt")
 
@@ -56,7 +59,7 @@ class CheckpointService:
         self._publish = publish  # gossips a run-document delta (RunDocSync.publish)
         self._synced = synced  # set after the first anti-entropy exchange
         # True while the trainer could not start anyway (torch is still loading:
-        # node/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
+        # node/process/preload.py); the first sync may take longer then, up to SYNC_WAIT_LOADING_S.
         self._still_loading = still_loading
         # True once a live training node's heartbeat has been heard: the run has members
         # (and likely checkpoints), so their run document is worth waiting for.
@@ -71,6 +74,7 @@ class CheckpointService:
         self._writing = trio.Lock()
         self.failed = 0
         self.resume_from: str | None = None  # the checkpoint the trainer starts from
+        self.pulled: tuple[str, int, str] | None = None  # (cid, step, writer) of a vetted pull
         self._ctx: NodeContext | None = None
 
     async def run(self, ctx: NodeContext, *,
@@ -79,6 +83,8 @@ class CheckpointService:
         run_id = ctx.the_run().run_id
         self.resume_from = ctx.checkpoints.latest(run_id) or await self._pull_newest(ctx)
         task_status.started()  # the trainer starts from it now
+        if self.pulled is not None and self.pulled[0] == self.resume_from:
+            self._announce_holder(ctx, *self.pulled)
         # Whatever we hold, written before a restart or just pulled, the next joiner can
         # fetch from us too (until retention drops it). After `started`: a provide is a
         # DHT lookup and a round of ADD_PROVIDER, 0.9 s of a join under load before the
@@ -129,11 +135,15 @@ class CheckpointService:
                 if not listed:
                     break
             step, cid, writer = listed[-1]
+            # several holders announce it; the writer (the vet leaves its word out) is the
+            # one that names no other writer
+            writer = checkpoint_holders(run.document, cid)[1] or writer
             tried.append(cid)
             if not await self._pull(ctx, step, cid, writer):
                 continue
             reason = await self._vet(cid, writer) if self._vet is not None else None
             if reason is None:
+                self.pulled = (cid, step, writer)
                 return cid
             refused.add(cid)
             self.refused[cid] = reason
@@ -157,13 +167,19 @@ class CheckpointService:
         # every connected peer was asked too, a stream and a refusal from each peer that
         # did not hold it: 4-8 busy trainers per join in `node bench join`, every peer
         # of a large swarm.
-        listed = [w for _, c, w in checkpoint_index(ctx.the_run().document) if c == cid]
-        providers = [ID.from_base58(p) for p in dict.fromkeys([writer, *listed])
-                     if p != ctx.substrate.peer_id.to_base58()]
+        # With many holders (every joiner that pulled it announces itself), a few chosen by
+        # rendezvous hash: 1,000 joiners spread over the holders instead of all on the
+        # writer, or each on all of them. The DHT's providers are ranked the same way.
+        me = ctx.substrate.peer_id.to_base58()
+        holders = checkpoint_holders(ctx.the_run().document, cid)[0]
+        chosen = choose_holders(cid, me, [writer, *holders], SOURCES)
+        providers = [ID.from_base58(p) for p in chosen]
 
         async def dht_providers() -> list[ID]:
             found = await dht.find_providers(ckpt_provider_key(cid), timeout=PROVIDER_LOOKUP_S)
-            return [p.peer_id for p in found if p.peer_id != ctx.substrate.peer_id]
+            more = choose_holders(cid, me, [p.peer_id.to_base58() for p in found], SOURCES,
+                                  exclude=chosen)
+            return [ID.from_base58(p) for p in more]
 
         ctx.phases.enter("downloading checkpoint")
         download = self.download = {"cid": cid, "step": step, "done": 0, "total": 0,
@@ -176,7 +192,8 @@ class CheckpointService:
         try:
             pulled = await exchange.pull(ctx.substrate, providers, cid, ctx.checkpoints,
                                          progress=progress, more_providers=dht_providers,
-                                         open_stream=ctx.open_stream, path_of=ctx.path_of)
+                                         open_stream=ctx.transports.open_stream,
+                                         path_of=ctx.transports.path_of)
         except NodeError as e:
             log.warning("could not fetch checkpoint %s (%s)", cid, e)
             return False
@@ -228,9 +245,22 @@ class CheckpointService:
         if cid in dropped:  # it claims less than the `keep` we hold (we resumed from scratch
             return  # after a damaged checkpoint): nothing to announce
         self._publish(run.document.set(ckpt_key(ctx.peer_id, cid),
-                                       {"hash": cid, "step": trained, "size": size}, _now_ms()))
+                                       {"hash": cid, "step": trained, "size": size}, now_ms()))
         if ctx.substrate.dht is not None:
             await ctx.substrate.dht.provide(ckpt_provider_key(cid))
+
+    def _announce_holder(self, ctx: NodeContext, cid: str, step: int, writer: str) -> None:
+        """We hold a checkpoint we pulled (and vetted): the next joiners may pull it from
+        us. Our own namespace, the writer named; retention deletes it like our own."""
+        try:
+            size = ctx.checkpoints.manifest(cid).size
+        except NodeError as e:
+            log.warning("not announcing checkpoint %s: %s", cid, e)
+            return
+        value = {"hash": cid, "step": step, "size": size, "writer": writer}
+        self._publish(ctx.the_run().document.set(ckpt_key(ctx.peer_id, cid), value, now_ms()))
+        log.info("holding checkpoint %s (step %d) of %s for the next joiners", cid, step,
+                 writer)
 
     def _unannounce(self, ctx: NodeContext, dropped: set[str]) -> None:
         doc = ctx.the_run().document
@@ -239,8 +269,4 @@ class CheckpointService:
                 ctx.substrate.dht.stop_providing(ckpt_provider_key(cid))
             key = ckpt_key(ctx.peer_id, cid)
             if doc.get(key) is not None:
-                self._publish(doc.delete(key, _now_ms()))
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+                self._publish(doc.delete(key, now_ms()))

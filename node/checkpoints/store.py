@@ -11,6 +11,7 @@ returns complete checkpoints. Loads verify every chunk's hash before anything is
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ class CheckpointStore:
                                   f"{e.strerror or e}; earlier checkpoints are intact") from e
         return manifest.cid
 
-    def put_chunk(self, digest: str, data: bytes) -> None:
+    def put_chunk(self, digest: str, data: bytes | bytearray) -> None:
         """Store a chunk fetched from elsewhere, after checking it is what its name says."""
         if ck.sha256_hex(data) != digest:
             raise RemoteProtocolError(f"chunk {digest[:12]} does not match its hash")
@@ -109,7 +110,7 @@ class CheckpointStore:
         found = self.list(run)
         return found[-1][0] if found else None
 
-    def verify(self, cid: str) -> list[str]:
+    def verify(self, cid: str) -> builtins.list[str]:
         """Problems with a checkpoint (missing or corrupt chunks); empty when it is sound."""
         return [problem for _, problem in self._chunks_of(self.manifest(cid)) if problem]
 

@@ -38,7 +38,7 @@ def swarm_loss(membership: Membership, exclude: set[str]) -> float | None:
     vals = [v for e in membership.live() if e.info.get("role") == "node"
             and e.peer_id not in exclude
             for v in [(e.info.get("stats") or {}).get("val")]
-            if type(v) in (int, float) and math.isfinite(v)]
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
     return statistics.median(vals) if vals else None
 
 
@@ -91,12 +91,9 @@ class CheckpointVet:
         # The initial weights' loss (what the trainer holds until it resumes) scales the
         # check; a candidate no worse than the swarm passes whatever it is, so it is
         # measured only when needed, and once (every node draws the same initial weights).
-        if candidate <= swarm:
-            initial = self._initial if self._initial is not None else math.nan
-        else:
-            if self._initial is None:
-                self._initial = await trio.to_thread.run_sync(trainer.evaluate)
-            initial = self._initial
+        if candidate > swarm and self._initial is None:
+            self._initial = await trio.to_thread.run_sync(trainer.evaluate)
+        initial = self._initial if self._initial is not None else math.nan
         self.last = {"cid": cid, "loss": round(candidate, 4), "swarm": round(swarm, 4),
                      "initial": None if math.isnan(initial) else round(initial, 4)}
         reason = None if candidate <= swarm else progress_refusal(candidate, initial, swarm)

@@ -17,7 +17,7 @@ import trio
 
 from node.service import NodeContext
 from node.status.logs import FLOOD, PeerFlood
-from node.streams import StreamEnded
+from node.transport.streams import StreamEnded
 from p2p.gate import Gate
 from protocols.errors import RemoteProtocolError
 

@@ -16,8 +16,9 @@ import statistics
 import time
 from typing import Any
 
+from node.run.rundoc_sync import now_ms
 from p2p.peerbook import PeerBook, PeerEntry
-from protocols.heartbeat import Heartbeat
+from protocols.heartbeat import Heartbeat, liveness_ttl_s
 from protocols.rundoc import RunDocument
 
 #: How long a run-document member's addresses stay worth dialing after its last entry.
@@ -27,26 +28,29 @@ REDIAL_HORIZON_S = 600.0
 MEMBER_TTL_S = 8.0
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class Membership:
     def __init__(self, me: str, ttl_s: float) -> None:
         self.me = me
-        self.book = PeerBook(ttl=ttl_s)
+        # 65,536: a run of 10,000 (issue 30) must not evict live peers; departed ones
+        # are expired (HeartbeatService.view_size)
+        self.book = PeerBook(ttl=ttl_s, max_peers=65_536)
         self.document: RunDocument | None = None  # attached when the run is known
         self.started = time.monotonic()
         self.first_peer_after_s: float | None = None
         self.stale_heartbeats = 0  # late gossip, older than what the view holds
+        # How often members rewrite their run-document entries now (RunDocSync sets it):
+        # a member is listed while its last_seen is within a few of these.
+        self.announce_interval_s = 2.0
 
     # -- writes ---------------------------------------------------------------------------
 
     def heard(self, beat: Heartbeat, now: float | None = None,
-              wall: float | None = None) -> bool:
+              wall: float | None = None, own_interval_s: float = 0.0) -> bool:
         """Record a verified heartbeat; True when the peer is new to the view. A heartbeat
         no newer than the last one taken from its peer (gossip delivered it late) is
-        counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py)."""
+        counted in `stale_heartbeats` and changes nothing (protocols/heartbeat.py). The
+        peer stays live for `liveness_ttl_s` of the interval it announced (at least the
+        view's ttl): in a large run heartbeats are minutes apart."""
         now = time.monotonic() if now is None else now
         entry = self.book.get(beat.peer)
         if entry is not None and tuple(entry.info.get("order", (-1, -1))) >= beat.order:
@@ -55,14 +59,15 @@ class Membership:
         new = entry is None
         if self.first_peer_after_s is None and beat.role == "node":
             self.first_peer_after_s = now - self.started
-        info = {"role": beat.role, "device": beat.device, "stats": beat.stats,
+        info: dict[str, Any] = {"role": beat.role, "device": beat.device, "stats": beat.stats,
                 "order": beat.order}
         t = beat.stats.get("t") if isinstance(beat.stats, dict) else None
         if isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t):
             # our clock minus its, plus gossip's delay (a hostile t moves the median by one
             # rank at most; NaN or inf would have broken it)
             info["offset"] = (time.time() if wall is None else wall) - t
-        self.book.seen(beat.peer, now, list(beat.addrs), info)
+        ttl = liveness_ttl_s(beat.interval_ms / 1000, self.book.ttl, own_interval_s)
+        self.book.seen(beat.peer, now, list(beat.addrs), info, ttl=ttl)
         return new
 
     def attach(self, document: RunDocument) -> None:
@@ -108,25 +113,31 @@ class Membership:
         return max((s for s in steps if isinstance(s, int)), default=0)
 
     def documented(self, ttl_s: float) -> dict[str, dict[str, Any]]:
-        """Run-document members with a `last_seen` within `ttl_s`: id -> own entries."""
+        """Run-document members with a `last_seen` within `ttl_s`: id -> own entries. One
+        pass over the `peer/` entries (not one scan per member: 10,000 members would make
+        that 10,000 sorts of the whole document, every redial tick)."""
         doc = self.document
         if doc is None:
             return {}
-        out = {}
-        for peer, wall_ms in doc.members(now_ms(), int(ttl_s * 1000)).items():
-            prefix = f"peer/{peer}/"
-            info = {k[len(prefix):]: v for k, v in doc.items(prefix)
-                    if "/" not in k[len(prefix):]}  # not peer/<id>/ckpt/<cid>
-            info["last_seen_ms"] = wall_ms
-            out[peer] = info
+        members = doc.members(now_ms(), int(ttl_s * 1000))
+        out: dict[str, dict[str, Any]] = {p: {} for p in members}
+        for key, value in doc.items("peer/"):
+            parts = key.split("/", 2)
+            if len(parts) == 3 and parts[1] in out and "/" not in parts[2]:
+                out[parts[1]][parts[2]] = value  # not peer/<id>/ckpt/<cid>
+        for peer, wall_ms in members.items():
+            out[peer]["last_seen_ms"] = wall_ms
         return out
 
     def addresses(self) -> dict[str, list[str]]:
         """Where to dial each known peer: the run document's recent members, then the live
         peers' heartbeat addresses (newer, so they win)."""
         out: dict[str, list[str]] = {}
-        for peer, info in self.documented(REDIAL_HORIZON_S).items():
-            addrs = info.get("addrs")
+        doc = self.document
+        members = doc.members(now_ms(), int(REDIAL_HORIZON_S * 1000)) if doc else {}
+        for peer in members:  # only the addrs entries: N = 10,000 holds 50,000 entries
+            assert doc is not None
+            addrs = doc.get(f"peer/{peer}/addrs")
             if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
                 out[peer] = addrs
         for e in self.live():
@@ -135,8 +146,14 @@ class Membership:
         out.pop(self.me, None)
         return out
 
-    def statistics(self, members_ttl_s: float = MEMBER_TTL_S) -> dict[str, Any]:
+    def members_ttl_s(self) -> float:
+        """How old a member's last_seen may be for it to be listed: three announces and
+        some gossip delay (MEMBER_TTL_S at the small-run 2 s)."""
+        return max(MEMBER_TTL_S, 4 * self.announce_interval_s)
+
+    def statistics(self, members_ttl_s: float | None = None) -> dict[str, Any]:
         now, wall = time.monotonic(), now_ms()
+        members_ttl_s = self.members_ttl_s() if members_ttl_s is None else members_ttl_s
         return {
             "peers": [{"peer_id": e.peer_id, "last_seen_s": round(now - e.last_seen, 1),
                        "addrs": e.addrs, **{k: v for k, v in e.info.items()

@@ -163,6 +163,15 @@ def node_families(st: dict[str, Any]) -> Iterator[Metric]:
                           len(membership.get("members", [])))
         yield from _counter("heartbeats_sent", "Heartbeats this node published.",
                             membership.get("heartbeats_sent"))
+        yield from _gauge("heartbeat_interval_seconds", "Seconds between this node's "
+                          "heartbeats: max(heartbeat_s, live peers / target rate).",
+                          membership.get("heartbeat_interval_s"))
+        yield from _gauge("heartbeats_inbound_per_second", "Heartbeats received a second "
+                          "(mean over 10 s), taken or dropped.",
+                          membership.get("inbound_heartbeats_per_s"))
+        yield from _counter("heartbeats_throttled", "Heartbeats dropped over the inbound "
+                            "bound (a peer beating faster than the policy, or all of them).",
+                            membership.get("throttled_heartbeats"))
     ckpt = st.get("checkpoints") or {}
     yield from _counter("checkpoints_saved", "Checkpoints this node saved.", ckpt.get("saved"))
     yield from _counter("checkpoint_save_failures", "Checkpoint saves that failed.",

@@ -27,6 +27,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import h11
 import trio
@@ -81,7 +82,7 @@ class HttpServer:
         self._waiting: set[_Conn] = set()  # connections waiting for a request head
 
     async def serve(self, listeners: list[trio.SocketListener], *,
-                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         await trio.serve_listeners(self.handle, listeners, task_status=task_status)
 
     async def handle(self, stream: trio.abc.Stream) -> None:
@@ -187,7 +188,7 @@ class HttpServer:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(self.max_head)
-                conn.receive_data(data)
+                conn.receive_data(bytes(data))
                 continue
             if isinstance(event, h11.ConnectionClosed):
                 return None

@@ -1,7 +1,8 @@
 """MetricsService: what a person or Prometheus sees of a node.
 
 * `/metrics`: Prometheus text exposition of the node's status (collector.py);
-* `/`: the status page (static/index.html + static/status.js, shipped in the package:
+* `/`: the status page (static/index.html + static/status.js, with static/common.js and
+  common.css, what a testnet's swarm page shares and serves too; shipped in the package:
   no CDN, the machine may be offline), drawn from `/api/status`: the status plus the loss
   history and the checkpoints held;
 * a progress line on the terminal every `progress_s` (step, losses, peers, the last
@@ -33,7 +34,7 @@ from node.errors import MetricsPortError
 from node.files import atomic_write
 from node.metrics.collector import StatusCollector
 from node.metrics.history import History
-from node.metrics.http import HttpServer, Response
+from node.metrics.http import Handler, HttpServer, Response
 from node.status.logs import RECENT
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class MetricsService:
         self.checkpoints: list[dict[str, Any]] = []
         self.server = HttpServer({"/": self._page, "/index.html": self._page,
                                   "/status.js": self._script, "/metrics": self._metrics,
-                                  "/api/status": self._api_status})
+                                  "/api/status": self._api_status, **common_routes()})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatusCollector(self.status, self._extra))
         # process_* (CPU seconds, RSS, open fds, start time): Prometheus's standard names
@@ -247,6 +248,18 @@ def _held_checkpoints(ctx: NodeContext, run_id: str) -> list[dict[str, Any]]:
     """This run's checkpoints on disk (a thread: it reads their manifests)."""
     return [{"cid": cid, "step": m.step, "bytes": m.size, "created_ms": m.created_ms}
             for cid, m in ctx.checkpoints.list(run_id)]
+
+
+def common_routes() -> dict[str, Handler]:
+    """`/common.js` and `/common.css` (static/): what the status page and a testnet's swarm
+    page share, served by both servers (testnet/swarm.py) at these paths, so the two pages
+    draw alike from one copy."""
+    return {
+        "/common.js": lambda: Response(body=_static("common.js"),
+                                       content_type="text/javascript; charset=utf-8"),
+        "/common.css": lambda: Response(body=_static("common.css"),
+                                        content_type="text/css; charset=utf-8"),
+    }
 
 
 def _static(name: str) -> bytes:

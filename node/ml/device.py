@@ -2,7 +2,7 @@
 
 `parse` checks the spelling without importing torch (the CLI calls it before anything
 starts); `precheck` refuses `cuda` on a machine that certainly has none, still without
-torch (torch loads in the background while the node dials: node/preload.py, so the
+torch (torch loads in the background while the node dials: node/process/preload.py, so the
 refusal must not wait for it); `resolve` asks torch what exists (the daemon, in a worker
 thread, and the trainer). All raise `DeviceError` with a sentence a user can act on.
 """

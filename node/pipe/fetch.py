@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from node.streams import StreamEnded
+from node.transport.streams import StreamEnded
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 
@@ -132,7 +132,7 @@ class WeightsFetcher:
         is allocated (protocols/pipeline.WeightsReceiver)."""
         from libp2p.peer.id import ID
 
-        from node.streams import pump
+        from node.transport.streams import pump
 
         with trio.fail_after(self.deadline_s):
             stream = await self.substrate.open_stream(ID.from_base58(peer),

@@ -28,8 +28,8 @@ from typing import Any
 
 import trio
 
-from node.lane import LaneListener, LaneStream, connect_lane
-from node.streams import StreamEnded, close_quietly, next_event, pump, write_chunks
+from node.transport.lane import LaneListener, LaneStream, connect_lane
+from node.transport.streams import StreamEnded, close_quietly, next_event, pump, write_chunks
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 

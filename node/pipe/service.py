@@ -25,17 +25,16 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.lane import listen_host
 from node.ml.pipeline.schedule import hops
 from node.pipe import convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
+from node.transport.lane import listen_host
 from protocols import manifest as mf
 from protocols import pipeline as pipe
 
@@ -60,8 +59,7 @@ class PipelineService:
     protocols = (pipe.PROTOCOL_ID, pipe.WEIGHTS_PROTOCOL_ID)
 
     def __init__(self, manifest: mf.Manifest, run_id: str, progress: TrainingStats,
-                 data: list[str] | None = None, device: str = "cpu",
-                 path_of: Callable[[str], str] | None = None) -> None:
+                 data: list[str] | None = None, device: str = "cpu") -> None:
         p = manifest.pipeline
         if p is None:
             raise ValueError("not a pipeline run")
@@ -70,8 +68,6 @@ class PipelineService:
         self.progress = progress
         self.data = data
         self.device = device
-        # How each peer is reached (node/reach/paths.py): a bulk lane only on a direct path
-        self.path_of = path_of
         self.lane_host: str | None = None  # where our bulk lanes listen, once running
         self.n = p.stages
         self.M = p.micro_batches
@@ -116,7 +112,7 @@ class PipelineService:
         `first_choice` (a joiner choosing its stage): less, too, those written more than a
         peer ttl before the freshest one heard. A replacement that starts within seconds of
         its predecessor's death (as fast as a joiner does since trainers yield the CPU,
-        node/priority.py) got the dead host's last heartbeat from gossip's history, stamped
+        node/process/priority.py) got the dead host's last heartbeat from gossip's history, stamped
         live on arrival, took another stage, and a trained host took the dead one's over
         (CI, 2026-11-26). Only for that choice: later the ttl on arrival expires such an
         entry, and a host whose heartbeats arrive late under load stays in the map."""
@@ -234,11 +230,12 @@ class PipelineService:
         stalls = Stalls(substrate)  # a peer whose streams all time out: its connection reset
         self.fetcher = WeightsFetcher(substrate, self.run_id, stalls)
         self.outbox = Outbox(substrate, self.run_id, capacity=4 * self.M + 8, stalls=stalls,
-                             on_lost=self._on_lost, path_of=self.path_of or (
-                                 lambda peer: substrate.peer_paths().get(peer, "direct")))
+                             on_lost=self._on_lost,
+                             # a bulk lane only on a direct path (node/transport/transports.py)
+                             path_of=ctx.transports.path_of)
         self.lane_host = listen_host(substrate)
-        ctx.substrate.set_handler(pipe.PROTOCOL_ID, self._handle)
-        ctx.substrate.set_handler(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
+        ctx.transports.serve(pipe.PROTOCOL_ID, self._handle)
+        ctx.transports.serve(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.outbox.run)
@@ -279,8 +276,7 @@ class PipelineService:
             ctx.substrate, self._replica_key(), ctx.peer_id, self._replica_partners,
             codecs=adapt.supported(o.codec), auto_codec=o.codec == adapt.AUTO, group_size=2,
             step_time=self.progress.step_time, inner_steps=o.inner_steps, stats=self.progress,
-            path_of=self.path_of, lane_dialable=ctx.lane_dialable,
-            relay_limit=int(self.m.network.relay_exchange_mb * 1e6))
+            transports=ctx.transports, relay_limit=int(self.m.network.relay_exchange_mb * 1e6))
         return self.averager
 
     def _replica_key(self) -> str:
@@ -407,7 +403,7 @@ class PipelineService:
         def main() -> None:
             import torch
 
-            from node.priority import lower_session_priority, lower_thread_priority
+            from node.process.priority import lower_session_priority, lower_thread_priority
 
             lower_thread_priority()
             lower_session_priority()
@@ -444,7 +440,7 @@ class PipelineService:
         from node.pipe.worker import StageWorker
 
         m, s = self.m, self.stage
-        assert s is not None
+        assert s is not None and self._ctx is not None
         torch.set_num_threads(m.train.threads)
         config = GPTConfig(d_model=m.model.d_model, n_layers=m.model.n_layers,
                            n_heads=m.model.n_heads, context=m.model.context)
@@ -648,16 +644,18 @@ class PipelineService:
 
         ctx, s, p = self._ctx, self.stage, self.m.pipeline
         assert ctx is not None and s is not None and p is not None
+        mode = p.recovery
+        assert mode != "none", "a stage is rebuilt only under CheckFree (or CheckFree+)"
         said = self.trained_of([q for row in smap for q in row])
         empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {ctx.peer_id}}
         lost = lost_stages(smap, said, fresh, ctx.peer_id) - {s}
         try:
-            how = plan(s, list(self.layers), p.recovery, lost)
+            how = plan(s, list(self.layers), mode, lost)
         except RecoveryError:
             # past the untrained stages there is no source (an edge): hosted stages, however
             # few steps their weights claim (a stalled one steps its clock, not its weights),
             # beat the seed
-            how = plan(s, list(self.layers), p.recovery, empty)
+            how = plan(s, list(self.layers), mode, empty)
         if set(how.sources) & lost:
             log.info("pipeline: stage %d is rebuilt from stages %s, which claim few trained "
                      "steps: nothing nearer survives", s, how.sources)
@@ -809,7 +807,7 @@ class PipelineService:
         return None
 
     async def _serve_weights(self, stream: INetStream) -> None:
-        from node.streams import next_event, write_chunks
+        from node.transport.streams import next_event, write_chunks
 
         try:
             with trio.fail_after(10):
@@ -889,8 +887,8 @@ class PipelineService:
 
     def _lane_host(self) -> str | None:
         """Where we listen for a sender's bulk lane; None (no lanes) where a sender could
-        not connect to it (behind a NAT: NodeContext.lane_dialable)."""
-        if self._ctx is not None and not self._ctx.lane_dialable():
+        not connect to it (behind a NAT: Transports.lane_dialable)."""
+        if self._ctx is not None and not self._ctx.transports.lane_dialable():
             return None
         return self.lane_host
 

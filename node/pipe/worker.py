@@ -477,8 +477,8 @@ class StageWorker:
             waiting[(item.kind, item.step, item.origin, item.mb)] = item
             bound = self.inbox.capacity
             if len(waiting) > bound:  # bounded: the oldest go
-                for key in sorted(waiting, key=lambda k: (k[1], k[3]))[:len(waiting) - bound]:
-                    del waiting[key]
+                for old in sorted(waiting, key=lambda k: (k[1], k[3]))[:len(waiting) - bound]:
+                    del waiting[old]
             for kind, step, origin, mb in list(waiting):
                 if not is_open:
                     break

@@ -248,7 +248,7 @@ class HolePunchService:
         if self._dcutr is None or self._host is not sub.host:
             self._host = sub.host
             self._dcutr = DCUtRProtocol(_ListenAddrs(sub.host),  # type: ignore[arg-type]
-                                        dial_timeout=self.dial_timeout_s)
+                                        dial_timeout=self.dial_timeout_s)  # type: ignore[arg-type]
         return self._dcutr
 
     async def _punch(self, sub: Substrate, peer: str, nursery: trio.Nursery) -> None:
@@ -410,7 +410,8 @@ async def _read(stream, expect: int) -> HolePunch:
     except Exception as e:  # too large, truncated, not protobuf
         raise PunchError(f"bad DCUtR message ({type(e).__name__}: {e})") from None
     if msg.type != expect:
-        raise PunchError(f"expected {HolePunch.Type.Name(expect)}, got type {msg.type}")
+        raise PunchError(f"expected {HolePunch.Type.Name(expect)}, "  # type: ignore[arg-type]
+                         f"got type {msg.type}")
     return msg
 
 

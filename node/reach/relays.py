@@ -117,7 +117,8 @@ class RelayService:
                 self._drop(sub, relay, "the relay disconnected")
             elif now >= self._renew_at.get(relay, 0.0):
                 try:
-                    self.held[relay] = await circuit.reserve(sub.host, ID.from_base58(relay),
+                    self.held[relay] = await circuit.reserve(sub.require_host(),
+                                                             ID.from_base58(relay),
                                                              self.reserve_timeout_s)
                     self._renew_at[relay] = _half_life(self.held[relay])
                     self.renewals += 1
@@ -160,7 +161,7 @@ class RelayService:
     def _candidates(self, sub: Substrate, connected: set[str]) -> list[str]:
         """Peers that might relay for us: directly connected (a relay refuses requests
         over a relayed connection), speaking hop, not refused lately."""
-        store = sub.host.get_peerstore()
+        store = sub.require_host().get_peerstore()
         now = trio.current_time()
         paths = sub.peer_paths()
         out = []
@@ -180,7 +181,8 @@ class RelayService:
 
     async def _reserve(self, sub: Substrate, relay: str) -> None:
         try:
-            r = await circuit.reserve(sub.host, ID.from_base58(relay), self.reserve_timeout_s)
+            r = await circuit.reserve(sub.require_host(), ID.from_base58(relay),
+                                      self.reserve_timeout_s)
         except circuit.CircuitError as e:
             self._retry_at[relay] = trio.current_time() + self.retry_s
             self.last_error = str(e)
@@ -200,7 +202,7 @@ class RelayService:
     def _fallback_addrs(self, sub: Substrate, relay: str) -> list[str]:
         """The address we reached the relay at, for a relay that sent none."""
         out = []
-        for conn in sub.host.get_network().get_connections(ID.from_base58(relay)):
+        for conn in sub.require_host().get_network().get_connections(ID.from_base58(relay)):
             for a in conn.get_transport_addresses():
                 if "/p2p-circuit" not in str(a):
                     out.append(f"{str(a).split('/p2p/')[0]}/p2p/{relay}/p2p-circuit")

@@ -19,7 +19,7 @@ from libp2p.peer.id import ID
 from node.errors import ManifestRejected, RunNotFound
 from node.run.store import RunStore
 from node.service import NodeContext
-from node.streams import close_quietly, next_event
+from node.transport.streams import close_quietly, next_event
 from p2p.host import Substrate
 from protocols import manifest as mf
 from protocols import manifest_exchange as mx

@@ -1,15 +1,23 @@
 """Keeps this node's replica of the run document (protocols/rundoc.py) in sync.
 
 * Own entries (`peer/<me>/addrs|role|device|stats|last_seen`) are rewritten every
-  `announce_s` and gossiped as one batched delta on `/peertrain/<run-id>/meta/1`; gossip is
-  lossy, so re-announcing is what makes it reliable.
+  `heartbeat_interval_s(view size, announce_s, announce_target_per_s)` (2 s in a small
+  run, N / target in a run of N: each node then receives about `announce_target_per_s`
+  announces a second however large the run, protocols/heartbeat.py) and gossiped as one
+  batched delta on `/peertrain/<run-id>/meta/1`; gossip is lossy, so re-announcing is what
+  makes it reliable.
 * Anti-entropy over `/peertrain/meta/1.0.0`: when a peer first appears and then every
   `anti_entropy_s` with a random live peer. One round trip each way:
       initiator -> meta.summary {summary}
       responder -> meta.delta   {delta: what the initiator lacks, summary: responder's}
       initiator -> meta.delta   {delta: what the responder lacks}
 * The replica is saved atomically in the state directory every `persist_s` and at exit,
-  and reloaded (every entry re-verified) on start.
+  and reloaded (every entry re-verified) on start. Before each save it is compacted
+  (`compact`: departed peers' namespaces and old tombstones, protocols/rundoc.py
+  `compactable`), but a fresh replica only once it has caught up with a peer: its first
+  compaction raises the floor under which unknown keys are refused, and a joiner that
+  raised it before holding the swarm's older entries (a stage plan, checkpoint entries)
+  would refuse them for good and differ from everybody (docs/rundoc.md).
 Merges that reject entries (bad signature, another peer's namespace, not an admin) are
 logged with the reason; the document is unchanged by them.
 """
@@ -29,9 +37,10 @@ from libp2p.peer.id import ID
 
 from node.files import atomic_write
 from node.service import NodeContext
-from node.streams import next_event
+from node.transport.streams import next_event
 from protocols import rundoc
 from protocols.errors import ProtocolError, RemoteProtocolError
+from protocols.heartbeat import heartbeat_interval_s
 from protocols.keys import Signer
 from protocols.wire import Envelope, encode_envelope
 
@@ -46,10 +55,16 @@ def topic(run_id: str) -> str:
 
 
 def now_ms() -> int:
+    """Wall-clock milliseconds: the clock of the run document's stamps (protocols/rundoc.py
+    reads none, its callers pass `now_ms`). The one definition: membership and checkpoints
+    stamp the same document with it."""
     return time.time_ns() // 1_000_000
 
 
 ANNOUNCE_S = 2.0
+#: Announces (5 signed entries each: ~0.7 ms of Ed25519 checks) a node takes per second
+#: from the whole run, once the run is large enough to stretch the interval.
+ANNOUNCE_TARGET_PER_S = 10.0
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # anti-entropy with a peer whose last round failed
 
 
@@ -90,8 +105,15 @@ class RunDocSync:
 
     def __init__(self, *, announce_s: float = ANNOUNCE_S, anti_entropy_s: float = 10.0,
                  persist_s: float = 10.0, gc_horizon_s: float = 3600.0,
-                 first_peers: list[str] | None = None) -> None:
+                 first_peers: list[str] | None = None,
+                 announce_target_per_s: float = ANNOUNCE_TARGET_PER_S) -> None:
         self.announce_s, self.anti_entropy_s = announce_s, anti_entropy_s
+        self.announce_target_per_s = announce_target_per_s
+        self.compacted = 0  # entries dropped by gc (departed peers', old tombstones)
+        # Set when an anti-entropy answer left us holding everything its peer summarized:
+        # from then on a fresh replica may compact (raise its floor).
+        self.caught_up = trio.Event()
+        self.started = time.monotonic()
         self.persist_s, self.gc_horizon_ms = persist_s, int(gc_horizon_s * 1000)
         self.rejected = 0
         self.syncs = 0
@@ -152,6 +174,8 @@ class RunDocSync:
             return {}
         st = self.doc.statistics()
         return {"entries": st.entries, "tombstones": st.tombstones, "rejected": self.rejected,
+                "announce_interval_s": round(self.announce_interval_s(), 3),
+                "compacted": self.compacted, "floor_ms": st.floor_ms,
                 "anti_entropy_rounds": self.syncs, "digest": self.doc.digest().hex()[:16]}
 
     # -- writing and gossip -----------------------------------------------------------------
@@ -162,6 +186,11 @@ class RunDocSync:
             self.rejected += 1
             log.warning("run document: rejected %s from %s: %s", key, source, reason,
                         extra={"peer": source, "reason": f"rundoc {reason}"})
+
+    def announce_interval_s(self) -> float:
+        """Seconds between our announces at the view's current size (us included)."""
+        n = len(self.live_peers()) + 1
+        return heartbeat_interval_s(n, self.announce_s, self.announce_target_per_s)
 
     async def _announce_loop(self) -> None:
         me = self.signer.peer_id
@@ -175,7 +204,15 @@ class RunDocSync:
             # written, and anti-entropy repairs what gossip lost.
             entries = [e for key in own if (e := self.doc.entry(key)) is not None]
             self.publisher.publish_nowait(topic(self.run_id), self.doc.encode_delta(entries))
-            await trio.sleep(self.announce_s)
+            # Own entries written once (checkpoint announcements) are re-signed before a
+            # quarter of the horizon: a live peer's entry is then never under a replica's
+            # compaction floor, where a replica that missed it would refuse it for good.
+            if (refreshed := self.doc.refresh(t, self.horizon_ms() // 4)) is not None:
+                self.publisher.publish_nowait(topic(self.run_id), refreshed)
+            interval = self.announce_interval_s()
+            assert self._ctx is not None
+            self._ctx.membership.announce_interval_s = interval  # members' ttl follows it
+            await trio.sleep(interval)
 
     async def _listen(self) -> None:
         while True:
@@ -275,6 +312,8 @@ class RunDocSync:
                 max_frame_bytes=MAX_FRAME))
             reply = _expect(await next_event(stream, decoder), "meta.delta")
             self._merge(reply["delta"], peer)
+            if not self.caught_up.is_set() and self.doc.caught_up(reply["summary"]):
+                self.caught_up.set()
             await stream.write(encode_envelope(
                 Envelope("meta.delta", 1, {"delta": self.doc.delta_since(reply["summary"])}),
                 max_frame_bytes=MAX_FRAME))
@@ -295,13 +334,39 @@ class RunDocSync:
         finally:
             await stream.close()
 
-    # -- persistence --------------------------------------------------------------------------
+    # -- persistence and compaction -----------------------------------------------------------
+
+    def horizon_ms(self) -> int:
+        """The compaction horizon: the configured one, but never under 10 announce
+        intervals (a live peer rewrites its last_seen every interval; a horizon shorter
+        than that would drop a live peer's namespace, and refuse its older keys after)."""
+        return max(self.gc_horizon_ms, int(10_000 * self.announce_interval_s()))
+
+    def may_compact(self, now: float | None = None) -> bool:
+        """A replica with a floor already (it compacted before a restart), one caught up
+        with a peer, or one that found nobody to catch up with for a quarter of the
+        horizon (a run's first node) may compact."""
+        now = time.monotonic() if now is None else now
+        return (self.doc.floor_ms > 0 or self.caught_up.is_set()
+                or now - self.started >= self.gc_horizon_ms / 4000)
+
+    def compact(self, now: int) -> int:
+        """Drop what the compaction rule names, if this replica may; returns the count."""
+        if not self.may_compact():
+            return 0
+        dropped = self.doc.gc(now, self.horizon_ms())
+        if dropped:
+            log.info("run document: compacted %d entries (departed peers, old tombstones)",
+                     dropped)
+        self.compacted += dropped
+        return dropped
+
 
     async def _persist_loop(self) -> None:
         try:
             await trio.sleep(2.0)  # a first save soon after joining, then every persist_s
             while True:
-                self.doc.gc(now_ms(), self.gc_horizon_ms)
+                self.compact(now_ms())
                 await trio.to_thread.run_sync(atomic_write, self.path, self.doc.to_bytes())
                 await trio.sleep(self.persist_s)
         finally:

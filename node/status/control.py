@@ -109,7 +109,7 @@ async def serve_control(state_dir: Path, handlers: dict[str, Callable[[], Any]],
                 await conn.send_all(json.dumps(reply, default=str).encode() + b"\n")
 
     try:
-        await trio.serve_listeners(handle, listeners, task_status=task_status)
+        await trio.serve_listeners(handle, listeners, task_status=task_status)  # type: ignore[arg-type]
     finally:
         path.unlink(missing_ok=True)
 

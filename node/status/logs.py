@@ -75,7 +75,7 @@ class PeerFlood(logging.Filter):
         elif record.name.startswith(THIRD_PARTY) and record.levelno >= logging.WARNING \
                 and not (isinstance(record.msg, str) and record.msg in ROUTINE_ERRORS):
             keep = self._count(third_party_key(record), record, record.name.split(".")[0])
-        record._flood_pass = keep  # type: ignore[attr-defined]
+        record._flood_pass = keep
         return keep
 
     def _count(self, key: tuple[str, str], record: logging.LogRecord, label: str) -> bool:
@@ -109,8 +109,8 @@ class PeerFlood(logging.Filter):
         summary = logging.LogRecord(
             last.name, last.levelno, last.pathname, last.lineno,
             "... %d more from %s (%s) in %.0f s", (more, peer, reason, self.window_s), None)
-        summary.peer, summary.suppressed = peer, more  # type: ignore[attr-defined]
-        summary._flood_pass = True  # type: ignore[attr-defined]
+        summary.peer, summary.suppressed = peer, more
+        summary._flood_pass = True
         logging.getLogger(last.name).handle(summary)
 
     def statistics(self) -> dict[str, Any]:

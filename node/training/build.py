@@ -21,6 +21,8 @@ def replica_index(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
+# train.compile -> TrainConfig.compile (None: on CUDA only)
+COMPILE: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 ATTACKER_REPLICA = "sybil-attacker"  # every sybil draws the same data: identical models
 # A testnet attacker trains this many rounds on its poisoned data, then sends that model
 # every round (its label-flip rate is 0.51 at step 400 of the sybil scenario, 0.45 at 250).
@@ -78,6 +80,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, batch_size=t.batch_size,
         eval_every=t.eval_every, eval_batches=t.eval_batches, device=device,
         threads=t.threads, seed=m.run.seed,
+        compile=COMPILE[t.compile],
         replica=replica_index(ATTACKER_REPLICA if attack else peer_id),
     ))
     if m.outer.algorithm == "none":
@@ -88,7 +91,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     if m.outer.algorithm == "diloco":  # the baseline: an all-reduce every round
         from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
-        outer = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
+        outer: SwarmDiLoCo | NoLoCo = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
             outer_lr=m.outer.outer_lr, momentum=m.outer.momentum, nesterov=m.outer.nesterov))
     else:
         outer = NoLoCo(trainer.parameters_vector(),
@@ -121,7 +124,7 @@ class Prebuild:
 
     def __init__(self, build: Callable[[], tuple[Any, Any, int]],
                  hold: Callable[[], bool] = lambda: False) -> None:
-        from node import preload
+        from node.process import preload
 
         self._cancelled = threading.Event()
 

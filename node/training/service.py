@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.errors import DeviceMemoryError, TrainingFailed
+from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
-from node.priority import lower_session_priority, lower_thread_priority
+from node.process.priority import lower_session_priority, lower_thread_priority
 from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats, span_for, swarm_span
 from node.training.state import checkpoint_tensors
 
@@ -149,7 +149,7 @@ class TrainingService:
                 await self._train_in_thread(task_status)
             except trainer_errors.DeviceMemoryError as e:  # its own exit code and advice
                 log.error("training stopped: %s", e)
-                raise DeviceMemoryError(str(e)) from e
+                raise TrainingFailed(str(e), exit_code=DEVICE_MEMORY_EXIT) from e
             except Exception as e:  # a node asked to train that cannot stops, saying why
                 log.error("training stopped: %s: %s", type(e).__name__, e)
                 raise TrainingFailed(f"training stopped: {type(e).__name__}: {e}") from e

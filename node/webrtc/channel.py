@@ -1,7 +1,7 @@
 """A WebRTC data channel with the read/write/close surface of a libp2p stream.
 
-Modelled on the averaging bulk lane (node/lane.py's LaneStream): the averaging
-adapter and the pump (node/streams.py) take it wherever they take a libp2p stream, so an
+Modelled on the averaging bulk lane (node/transport/lane.py's LaneStream): the averaging
+adapter and the pump (node/transport/streams.py) take it wherever they take a libp2p stream, so an
 averaging round runs over a data channel unchanged. One channel carries one stream; its
 label is the protocol id (node/webrtc/session.py).
 
@@ -61,7 +61,11 @@ class DataChannelStream:
         self._low = asyncio.Event()
         channel.bufferedAmountLowThreshold = LOW_WATER
         channel.on("message", lambda m: _soon(token, self._deliver, m))
-        channel.on("close", lambda: (self._low.set(), _soon(token, self._deliver, None)))
+        def closed() -> None:
+            self._low.set()
+            _soon(token, self._deliver, None)
+
+        channel.on("close", closed)
         channel.on("bufferedamountlow", self._low.set)
 
     # -- trio side ----------------------------------------------------------------------

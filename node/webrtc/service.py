@@ -32,7 +32,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.service import NodeContext
-from node.streams import close_quietly, next_event
+from node.transport.streams import close_quietly, next_event
 from node.webrtc import PATH_WEBRTC, SessionError
 from node.webrtc.bridge import AsyncioThread
 from node.webrtc.channel import DataChannelStream
@@ -335,6 +335,7 @@ class WebRtcService:
             if old is not None:  # the peer restarted, or gave up on the last one
                 await old.close()
             rtc = await self._aiortc()
+            assert self._sub is not None  # signals arrive once serve() has set it
             session = rtc.RtcSession(self.bridge, stream.muxed_conn.peer_id,
                                  await self._find_stun(self._sub), self._on_channel)
             try:

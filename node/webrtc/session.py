@@ -196,7 +196,7 @@ class RtcSession:
             assert self._pc is not None
             sctp = self._pc.sctp
             ice = sctp.transport.transport if sctp else None  # DTLS -> ICE transport
-            pair = ice._connection._nominated.get(1) if ice else None  # type: ignore[union-attr]
+            pair = ice._connection._nominated.get(1) if ice else None
             if pair is None:
                 return None
             lc, rc = pair.local_candidate, pair.remote_candidate

@@ -19,14 +19,14 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from node.averaging.service import Averager
-from node.memory import tune_malloc
+from node.process.memory import tune_malloc
 from node.training.rounds import TrainingStats
 from p2p.host import Substrate
 
 
 async def main(role: str, out: str, mb: float, codec: str, addr: str = "",
                other: str = "") -> None:
-    tune_malloc()  # as a node does at start (node/memory.py)
+    tune_malloc()  # as a node does at start (node/process/memory.py)
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     me = sub.peer_id.to_base58()
     partner: list[str] = [other] if other else []

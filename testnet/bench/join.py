@@ -208,8 +208,9 @@ def _findings(results: list[dict[str, Any]], members: list[dict[str, Any]]) -> s
         notes.append(f"Goal join to first step <= {GOAL_JOIN_S:g} s: {met} (median "
                      f"{total:.1f} s). The costliest phases (medians): {top}.")
         notes.append(
-            "torch is imported in a background thread (node/preload.py; `torch import s` is "
-            "that thread's own time, start to end) that starts with the node: beside it, the "
+            "torch is imported in a background thread (node/process/preload.py; "
+            "`torch import s` is that thread's own time, start to end) that starts with the "
+            "node: beside it, the "
             "round trips of the join (dial, DHT, stream negotiation, the run-document sync) "
             "take longer (the GIL's hand-off). "
             "`wait for torch` is what is left of the "
@@ -363,7 +364,7 @@ def main(quick: bool = False, nodes: int = 4, joins: int = 3, doc: Path | None =
         f"they arrived);\n"
         f"- first step: one training step, while {nodes} trainers share the machine's cores. "
         f"Until then the joiner runs at the priority it was started with; each trainer, "
-        f"past its own first step, runs its session at nice 10 (node/priority.py, since "
+        f"past its own first step, runs its session at nice 10 (node/process/priority.py, since "
         f"2026-11-26), so the joiner goes first."
         f"\n\nWhat a checkpoint of this model holds (one safetensors file, 4 MiB chunks): "
         f"the weights (25.5 MB fp32), AdamW's two moments (51 MB), and NoLoCo's outer "

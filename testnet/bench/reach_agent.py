@@ -74,18 +74,16 @@ class Incarnation:
         """The node's averaging service as a daemon builds it for `outer.codec = "auto"`
         (node/daemon.py): streams through the webrtc service, lanes on direct paths."""
         from node.averaging import adapt
-        from node.averaging.service import PROTOCOL_ID, Averager
+        from node.averaging.service import Averager
+        from node.transport.transports import Transports
 
+        door = Transports(self.sub)
+        door.attach(channels=self.webrtc, kinds=self.paths,
+                    lane_dialable=self.reach.lane_dialable)
         self.averager = Averager(
             self.sub, "bench", self.sub.peer_id.to_base58(), lambda: self.partner,
             codecs=adapt.supported(adapt.AUTO), auto_codec=True,
-            step_time=lambda: self.step_s,
-            open_stream=self.webrtc.open_stream if self.webrtc else None,
-            path_of=lambda peer: self.path(peer) or "direct",
-            rtt_of=lambda peer: (ms / 1000 if (ms := self.paths.rtt_ms.get(peer)) else None),
-            lane_dialable=self.reach.lane_dialable)
-        if self.webrtc is not None:
-            self.webrtc.set_handler(PROTOCOL_ID, self.averager.handle)
+            step_time=lambda: self.step_s, transports=door)
         self.services.append(self.averager)
 
     async def run(self, relays: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:

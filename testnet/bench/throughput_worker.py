@@ -19,7 +19,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.stream.exceptions import StreamEOF
 
-from node.streams import READ_SIZE, write_chunks
+from node.transport.streams import READ_SIZE, write_chunks
 from p2p.host import Substrate
 from protocols.wire import (
     NEED_DATA,

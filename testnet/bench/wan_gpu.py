@@ -35,7 +35,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from node.priority import SESSION_NICE_ENV
+from node.process.priority import SESSION_NICE_ENV
 from testnet import netns
 from testnet.bench import wan
 from testnet.bench.report import DOC, machine, md_table, write_section

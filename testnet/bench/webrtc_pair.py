@@ -31,6 +31,7 @@ from libp2p.peer.id import ID
 
 from node.files import atomic_write
 from node.reach.relays import RelayService
+from node.transport.transports import Transports
 from node.webrtc import PATH_WEBRTC
 from node.webrtc.service import WebRtcService
 from p2p.host import Substrate
@@ -135,9 +136,10 @@ async def private(args: argparse.Namespace) -> None:
             await sub.connect(theirs, timeout=30)
         key = other.to_base58()
         # averaging's handler is in place before any session (as in a node)
+        door = Transports(sub)
+        door.attach(channels=rtc)  # the averager serves on the data channels too
         avg = Averager(sub, "run", sub.peer_id.to_base58(), lambda: [key], codecs=["fp32"],
-                       step_time=lambda: 30.0, inner_steps=1, open_stream=rtc.open_stream)
-        rtc.set_handler(avg.protocols[0], avg.handle)
+                       step_time=lambda: 30.0, inner_steps=1, transports=door)
         started = time.monotonic()
         with trio.move_on_after(args.ice_timeout + 30):
             while not (key in rtc.paths() or rtc.failed):

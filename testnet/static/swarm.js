@@ -1,50 +1,12 @@
 // The swarm page: polls /api/swarm (every node of the testnet, read by the launcher through
 // each node's control socket) and draws it. Plain DOM and inline SVG, no library, nothing
-// fetched from anywhere but this page's server (the machine may be offline).
+// fetched from anywhere but this page's server (the machine may be offline). The helpers it
+// shares with a node's status page (el, fmt, lossText, poll, ...) are node/metrics'
+// static/common.js, which this page's server serves too and the page loads first.
 "use strict";
 
-const REFRESH_MS = 2000;
-const SVG = "http://www.w3.org/2000/svg";
 const COLORS = ["#2c6fbb", "#d9822b", "#2e8540", "#8e44ad", "#c0392b", "#16a085",
   "#7f8c8d", "#b7950b", "#e84393", "#34495e"];
-const $ = (id) => document.getElementById(id);
-
-function el(tag, attrs, text) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (text !== undefined && text !== null) e.textContent = String(text);
-  return e;
-}
-
-function svgEl(tag, attrs, text) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = String(text);
-  return e;
-}
-
-const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
-const short = (p) => (p && p.length > 14 ? p.slice(0, 8) + "…" + p.slice(-4) : p || "–");
-
-// A pipeline's last stage computes its loss every step: one older than LOSS_OLD_S is shown
-// with its age, never as the current loss (cli/render.py has the same rule).
-const LOSS_OLD_S = 30;
-function lossText(t) {
-  const age = t.loss_age_s;
-  if (t.loss === null || t.loss === undefined || !(age > LOSS_OLD_S)) return fmt(t.loss);
-  return fmt(t.loss) + " (" + (age < 90 ? Math.round(age) + " s" : Math.round(age / 60) + " min")
-    + " old)";
-}
-
-// The training numbers: a pipeline host keeps them under its pipeline's status.
-const training = (st) => st.training || (st.pipeline || {}).training || {};
-
-function ago(seconds) {
-  if (seconds === null || seconds === undefined) return "never";
-  if (seconds < 90) return Math.round(seconds) + " s ago";
-  if (seconds < 5400) return Math.round(seconds / 60) + " min ago";
-  return (seconds / 3600).toFixed(1) + " h ago";
-}
 
 // A node keeps its colour while the page is open, whatever order the nodes come in.
 const colorOf = {};
@@ -138,22 +100,8 @@ function chart(doc) {
   }
   const all = series.flatMap((s) => s.h);
   const losses = all.flatMap((p) => [p[2], p[3]]).filter((v) => v !== null && isFinite(v));
-  let lo = Math.min(...losses), hi = Math.max(...losses);
-  if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; }
-  const pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
-  const s0 = Math.min(...all.map((p) => p[1]));
-  const s1 = Math.max(Math.max(...all.map((p) => p[1])), s0 + 1);
-  const x = (s) => L + ((s - s0) / (s1 - s0)) * (W - L - R);
-  const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
-  for (let i = 0; i <= 4; i++) {
-    const v = lo + ((hi - lo) * i) / 4;
-    svg.append(svgEl("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eef1f4" }));
-    svg.append(svgEl("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, v.toFixed(2)));
-  }
-  for (let i = 0; i <= 4; i++) {
-    const s = Math.round(s0 + ((s1 - s0) * i) / 4);
-    svg.append(svgEl("text", { x: x(s), y: H - 10, "text-anchor": "middle" }, s));
-  }
+  const { x, y } = lossFrame(svg, { W, H, L, R, T, B }, losses,
+    Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1])));
   for (const { n, h } of series) {
     for (const [idx, kind] of [[2, "train"], [3, "val"]]) {
       const p = h.filter((q) => q[idx] !== null && isFinite(q[idx]));
@@ -197,18 +145,7 @@ function paths(doc) {
   }));
 }
 
-async function refresh() {
-  try {
-    const r = await fetch("/api/swarm", { cache: "no-store" });
-    if (!r.ok) throw new Error("HTTP " + r.status);
-    const doc = await r.json();
-    $("error").textContent = doc.error || "";
-    header(doc); nodeRows(doc); chart(doc); paths(doc);
-    document.body.setAttribute("data-loaded", "1");
-  } catch (e) {
-    $("error").textContent = "cannot reach the testnet launcher: " + e.message;
-  }
-  setTimeout(refresh, REFRESH_MS);
-}
-
-refresh();
+poll("/api/swarm", (doc) => {
+  $("error").textContent = doc.error || "";
+  header(doc); nodeRows(doc); chart(doc); paths(doc);
+}, "cannot reach the testnet launcher");

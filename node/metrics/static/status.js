@@ -1,54 +1,8 @@
 // The node's status page: polls /api/status and draws it. Plain DOM and inline SVG, no
-// library and no network beyond this node (the machine may be offline).
+// library and no network beyond this node (the machine may be offline). The helpers it
+// shares with a testnet's swarm page (el, fmt, lossText, poll, ...) are in common.js,
+// which the page loads first.
 "use strict";
-
-const REFRESH_MS = 2000;
-const SVG = "http://www.w3.org/2000/svg";
-const $ = (id) => document.getElementById(id);
-
-function el(tag, attrs, text) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (text !== undefined && text !== null) e.textContent = String(text);
-  return e;
-}
-
-function svgEl(tag, attrs, text) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  if (text !== undefined) e.textContent = String(text);
-  return e;
-}
-
-const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
-const short = (p) => (p && p.length > 14 ? p.slice(0, 8) + "…" + p.slice(-4) : p || "–");
-const mb = (n) => (n ? (n / 1e6).toFixed(1) : "0");
-
-// A pipeline's last stage computes its loss every step: one older than LOSS_OLD_S is shown
-// with its age, never as the current loss (cli/render.py has the same rule).
-const LOSS_OLD_S = 30;
-function lossText(t) {
-  const age = t.loss_age_s;
-  if (t.loss === null || t.loss === undefined || !(age > LOSS_OLD_S)) return fmt(t.loss);
-  return fmt(t.loss) + " (" + (age < 90 ? Math.round(age) + " s" : Math.round(age / 60) + " min")
-    + " old)";
-}
-
-// The training numbers: a pipeline host keeps them under its pipeline's status.
-const training = (st) => st.training || (st.pipeline || {}).training || {};
-
-function ago(seconds) {
-  if (seconds === null || seconds === undefined) return "–";
-  if (seconds < 90) return Math.round(seconds) + " s ago";
-  if (seconds < 5400) return Math.round(seconds / 60) + " min ago";
-  return (seconds / 3600).toFixed(1) + " h ago";
-}
-
-function duration(seconds) {
-  if (seconds < 90) return Math.round(seconds) + " s";
-  if (seconds < 5400) return Math.round(seconds / 60) + " min";
-  return (seconds / 3600).toFixed(1) + " h";
-}
 
 function rows(tbody, list) {
   tbody.replaceChildren(...list);
@@ -113,21 +67,8 @@ function chart(history) {
     : "no training step yet";
   if (!pts.length) return;
   const losses = pts.flatMap((h) => [h[2], h[3]]).filter((v) => v !== null && isFinite(v));
-  let lo = Math.min(...losses), hi = Math.max(...losses);
-  if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; }
-  const pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
-  const s0 = pts[0][1], s1 = Math.max(pts[pts.length - 1][1], s0 + 1);
-  const x = (s) => L + ((s - s0) / (s1 - s0)) * (W - L - R);
-  const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
-  for (let i = 0; i <= 4; i++) {
-    const v = lo + ((hi - lo) * i) / 4;
-    svg.append(svgEl("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eef1f4" }));
-    svg.append(svgEl("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, v.toFixed(2)));
-  }
-  for (let i = 0; i <= 4; i++) {
-    const s = Math.round(s0 + ((s1 - s0) * i) / 4);
-    svg.append(svgEl("text", { x: x(s), y: H - 10, "text-anchor": "middle" }, s));
-  }
+  const { x, y } = lossFrame(svg, { W, H, L, R, T, B }, losses, pts[0][1],
+    pts[pts.length - 1][1]);
   const curve = (idx, color, id) => {
     const p = pts.filter((h) => h[idx] !== null && isFinite(h[idx]));
     if (!p.length) return;
@@ -232,19 +173,7 @@ function problems(st) {
   }));
 }
 
-async function refresh() {
-  try {
-    const r = await fetch("/api/status", { cache: "no-store" });
-    if (!r.ok) throw new Error("HTTP " + r.status);
-    const st = await r.json();
-    $("error").textContent = "";
-    header(st); problems(st); cards(st); chart(st.history || []); peers(st); rounds(st);
-    checkpoints(st); phases(st); network(st);
-    document.body.setAttribute("data-loaded", "1");
-  } catch (e) {
-    $("error").textContent = "cannot reach the node: " + e.message;
-  }
-  setTimeout(refresh, REFRESH_MS);
-}
-
-refresh();
+poll("/api/status", (st) => {
+  header(st); problems(st); cards(st); chart(st.history || []); peers(st); rounds(st);
+  checkpoints(st); phases(st); network(st);
+}, "cannot reach the node");

@@ -40,8 +40,8 @@ def cosine_matrix(histories: Sequence[torch.Tensor], block: int = GRAM_BLOCK) ->
     gram = torch.zeros(m, m, dtype=torch.float64)
     step = max(1, block // max(m, 1))
     for start in range(0, p, step):
-        block = torch.stack([h.reshape(-1)[start : start + step] for h in histories]).double()
-        gram += block @ block.T
+        rows = torch.stack([h.reshape(-1)[start : start + step] for h in histories]).double()
+        gram += rows @ rows.T
     norms = gram.diagonal().clamp_min(0).sqrt()
     denom = norms[:, None] * norms[None, :]
     cos = torch.where(denom > 0, gram / torch.where(denom > 0, denom, 1.0), 0.0)

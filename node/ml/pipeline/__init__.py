@@ -2,7 +2,7 @@
 
 docs/pipeline.md describes the layout and the routing; node/pipe/ runs them live.
 The names below load on first use: `node.ml.pipeline.schedule` is torch-free, and the live
-service's trio thread imports it to route before torch is loaded (node/preload.py).
+service's trio thread imports it to route before torch is loaded (node/process/preload.py).
 """
 
 from importlib import import_module

@@ -60,7 +60,8 @@ def clip_and_norm(stage: Stage, grad_clip: float) -> float:
     if grad_clip > 0:
         pre = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
         return min(pre, grad_clip) if math.isfinite(pre) else pre
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params
+                                                       if p.grad is not None])))
 
 
 class StageRunner:

@@ -14,10 +14,10 @@ See docs/training.md.
 from .data import Corpus, get_batch, load_stdlib_corpus, load_text_files, stdlib_files
 from .errors import ConfigError, DataError, DeviceError, FactoryError, TrainerError
 from .loop import (
-    CheckpointError,
     StepStats,
     TrainConfig,
     Trainer,
+    TrainerStateError,
     TrainingDiverged,
     derive_seed,
     lr_at,
@@ -38,7 +38,6 @@ __all__ = [
     "GPT",
     "TASK_NAMES",
     "BytesGPTTask",
-    "CheckpointError",
     "ConfigError",
     "Corpus",
     "DataError",
@@ -53,6 +52,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainerError",
+    "TrainerStateError",
     "TrainingDiverged",
     "build_task",
     "count_parameters",

@@ -5,12 +5,23 @@ says nothing an operator can act on; this estimate, compared with the device's f
 before the model moves there, turns it into one line with a suggestion.
 
 What a step holds (fp32 master weights, AdamW, bf16 autocast on CUDA):
-- weights, gradients: 4 bytes per parameter each; AdamW's two moments: 8 bytes;
-- activations kept for the backward pass of a GPT layer: s*b*h*(34 + 5*a*s/h) bytes with
-  16-bit activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", section 4.1; s context, b batch, h d_model, a heads), doubled for
-  fp32; the logits and the loss's fp32 copy and gradient: b*s*vocab*(2+4+4) bytes;
+- weights, gradients: 4 bytes per parameter each; AdamW's two moments: 8 bytes; under
+  autocast, the bf16 copies of the weights it casts (kept for the backward): 2 bytes;
+- activations kept for the backward pass of a GPT layer: 34*s*b*h bytes with 16-bit
+  activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 4.1; s context, b batch, h d_model), doubled for fp32.
+  Their formula adds 5*a*s^2*b for the attention scores, their softmax and dropout: torch's
+  fused attention (flash / memory-efficient SDPA, what `F.scaled_dot_product_attention`
+  runs on CUDA) never stores them, and this GPT has no dropout, whose masks the 34 would
+  count (2*s*b*h) but the attention output SDPA keeps instead (2*s*b*h). The logits, the
+  loss's fp32 copy and its gradient: b*s*vocab*(2+4+4) bytes;
 - headroom: 20% on top for the caching allocator's fragmentation and cuBLAS workspaces.
+
+Calibrated on an NVIDIA H100 (torch 2.11, bf16 autocast, issue 29): the 86M byte GPT (d_model
+768, 12 layers, 12 heads, context 1024) peaked at 6.7 GB (batch 16) and 11.9 GB (batch 32)
+of `torch.cuda.max_memory_allocated`; this estimate says 6.73 and 11.91 GB before the
+headroom (tests/test_device_memory.py pins both). With the s^2 term it said 64.3 GiB of
+activations at batch 64, about 3.4x what the GPU used, and refused batches that fit.
 A model given by a factory has no formula: its activations are not estimated (0), and an
 out-of-memory error in the first step is reported the same way (node/training/build.py).
 """
@@ -29,34 +40,48 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int
+    weight_copies: int = 0  # autocast's 16-bit copies of the weights
+
+    @property
+    def peak(self) -> int:
+        """Bytes the step allocates at its peak (what torch.cuda.max_memory_allocated says)."""
+        return (self.weights + self.gradients + self.optimizer + self.weight_copies
+                + self.activations)
+
+    @property
+    def fixed(self) -> int:
+        """The part that does not depend on the batch."""
+        return self.peak - self.activations
 
     @property
     def total(self) -> int:
         """Bytes the step needs, headroom included."""
-        return int((self.weights + self.gradients + self.optimizer + self.activations)
-                   * (1 + HEADROOM))
+        return int(self.peak * (1 + HEADROOM))
 
 
 def gpt_activation_bytes(batch: int, context: int, d_model: int, n_layers: int,
                          n_heads: int, vocab: int, *, half: bool = True) -> int:
-    """Activations a byte GPT keeps for backward (module docstring: the formula)."""
-    per_layer = context * batch * d_model * (34 + 5 * n_heads * context / d_model)
+    """Activations a byte GPT keeps for backward (module docstring: the formula; `n_heads`
+    no longer enters it: fused attention keeps no s x s scores)."""
+    per_layer = 34 * context * batch * d_model
     layers = n_layers * per_layer * (1 if half else 2)
     logits = batch * context * vocab * ((2 if half else 4) + 4 + 4)
     return int(layers + logits)
 
 
-def estimate(n_params: int, activation_bytes: int) -> MemoryEstimate:
-    """fp32 weights and gradients, AdamW's two fp32 moments, the given activations."""
+def estimate(n_params: int, activation_bytes: int, *, half: bool = False) -> MemoryEstimate:
+    """fp32 weights and gradients, AdamW's two fp32 moments, the given activations, and with
+    `half` (bf16 autocast) the 16-bit weight copies."""
     return MemoryEstimate(weights=4 * n_params, gradients=4 * n_params,
-                          optimizer=8 * n_params, activations=activation_bytes)
+                          optimizer=8 * n_params, activations=activation_bytes,
+                          weight_copies=2 * n_params if half else 0)
 
 
 def shortfall(est: MemoryEstimate, free_bytes: int, device: str, batch: int) -> str | None:
     """None when the step fits in `free_bytes`; else the one-line reason and what to try."""
     if est.total <= free_bytes:
         return None
-    fixed = int((est.weights + est.gradients + est.optimizer) * (1 + HEADROOM))
+    fixed = int(est.fixed * (1 + HEADROOM))
     if fixed <= free_bytes and est.activations > 0:
         per_sample = est.activations * (1 + HEADROOM) / batch
         fits = int((free_bytes - fixed) // per_sample) if per_sample else batch
@@ -68,7 +93,9 @@ def shortfall(est: MemoryEstimate, free_bytes: int, device: str, batch: int) -> 
                 "pipeline stages (a smaller model per peer), or --device cpu")
     return (f"training needs about {_size(est.total)} on {device} but {_size(free_bytes)} "
             f"are free (weights {_size(est.weights)}, gradients {_size(est.gradients)}, AdamW "
-            f"{_size(est.optimizer)}, activations for batch {batch} {_size(est.activations)}, "
+            f"{_size(est.optimizer)}, "
+            + (f"bf16 weight copies {_size(est.weight_copies)}, " if est.weight_copies else "")
+            + f"activations for batch {batch} {_size(est.activations)}, "
             f"+{HEADROOM:.0%}); {hint}")
 
 

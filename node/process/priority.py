@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-log = logging.getLogger("node.priority")
+log = logging.getLogger("node.process.priority")
 
 TRAINER_NICE = 10
 SESSION_NICE_ENV = "PEERTRAIN_SESSION_NICE"  # the session's nice once training; 0: leave it

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import trio
-from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 
 from p2p.gate import discard_unread
@@ -30,11 +29,22 @@ class InPlace(Protocol):
     def received_into(self, n: int) -> None: ...
 
 
-async def pump(stream: INetStream, next_event: Callable[[], Any],
+class ByteStream(Protocol):
+    """A stream as the services use it, whichever transport carries it: a libp2p stream
+    (INetStream, or p2p/lazy_select.py's proxy of one), the bulk lane
+    (node/transport/lane.LaneStream) and a WebRTC data channel
+    (node/webrtc/channel.DataChannelStream) all read, write and close alike."""
+
+    async def read(self, n: int = ...) -> bytes | memoryview: ...
+    async def write(self, data: bytes) -> Any: ...
+    async def close(self) -> None: ...
+
+
+async def pump(stream: ByteStream, next_event: Callable[[], Any],
                feed: Callable[[bytes], None], into: InPlace | None = None) -> Any:
     """Read from `stream` into a sans-IO core until it yields an event (not NEED_DATA).
 
-    With `into` (the core) and a stream that has `read_into` (node/lane.LaneStream),
+    With `into` (the core) and a stream that has `read_into` (node/transport/lane.LaneStream),
     whatever lands where the core wants it (a tensor payload: for fp32 the receive vector
     itself) is opened there, not copied in by `feed`.
 
@@ -45,8 +55,9 @@ async def pump(stream: INetStream, next_event: Callable[[], Any],
         event = next_event()
         if event is not NEED_DATA:
             return event
-        buffer = into.receive_buffer() if read_into is not None else None
+        buffer = into.receive_buffer() if into is not None and read_into is not None else None
         if buffer is not None:
+            assert into is not None and read_into is not None
             data = await read_into(buffer)
             if type(data) is int:  # that many bytes are in place
                 into.received_into(data)
@@ -61,7 +72,7 @@ async def pump(stream: INetStream, next_event: Callable[[], Any],
         feed(data)
 
 
-async def next_event(stream: INetStream, decoder: FrameDecoder) -> Envelope | TensorFrame:
+async def next_event(stream: ByteStream, decoder: FrameDecoder) -> Envelope | TensorFrame:
     return await pump(stream, decoder.next_event, decoder.feed)
 
 
