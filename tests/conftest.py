@@ -292,7 +292,9 @@ def cli(*args: str, timeout: float = 60, cwd: Path = REPO) -> subprocess.Complet
     global _zygote
     if _zygote is None or _zygote.poll() is not None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-        _zygote = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")],
+        # as a module: a script's folder (tests/) would go first on sys.path, and its
+        # tests/node, tests/p2p, ... would shadow the packages they test
+        _zygote = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"],
                                    cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert _zygote.stdin is not None and _zygote.stdout is not None
