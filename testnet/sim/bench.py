@@ -12,15 +12,23 @@ import math
 import tempfile
 import time
 from dataclasses import asdict
+from itertools import product
 from pathlib import Path
 from typing import Any
 
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
+from testnet.sim import policies
+from testnet.sim.document import document_under_churn
 from testnet.sim.experiments import checkpoint_burst, sybil_attack
 from testnet.sim.scenario import Scenario, load
 from testnet.sim.swarm import INBOUND_BUDGET, Result, Swarm
 
 DEFAULT_SCENARIO = Path(__file__).with_name("scenarios") / "default.toml"
+#: The same swarm with the node's scale policies since issue 30 (testnet/sim/policies.py).
+NODE_SCENARIO = Path(__file__).with_name("scenarios") / "node.toml"
+#: What `--reuse` takes from an earlier run: none of it depends on the membership,
+#: document, connection or checkpoint-provision policies.
+REUSABLE = ("churn", "algos", "sybil", "big")
 
 
 def _run(sc: Scenario, log: Any) -> Result:
@@ -36,18 +44,27 @@ def _q(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
 
 
-def run(base: Scenario, quick: bool, log: Any = print) -> dict:
+def run(base: Scenario, quick: bool, log: Any = print, node: Scenario | None = None,
+        reuse: dict | None = None) -> dict:
+    """Every curve; `node`: the swarm with the node's policies, run beside `base` for the
+    policy-dependent ones (traffic, document, checkpoint burst); `reuse`: an earlier run's
+    results for the rest (REUSABLE)."""
+    node = node or load(NODE_SCENARIO)
     sizes = [10, 100, 1000] if quick else [10, 30, 100, 300, 1000, 3000, 10000]
     rounds = 20 if quick else 100
     out: dict[str, Any] = {"sizes": sizes, "rounds": rounds, "scaling": [], "churn": [],
-                           "algos": [], "sybil": [], "burst": [], "big": None}
-    for n in sizes:  # traffic, joins, writes: churn 10%/h, the scenario's other settings
-        sc = base.with_(peers=n, rounds=rounds, churn__per_hour=0.1,
-                        gossip__floods=2 if n >= 3000 else base.gossip.floods)
+                           "algos": [], "sybil": [], "burst": [], "big": None, "doc": []}
+    # traffic, joins, writes: churn 10%/h, the scenario's other settings; both policies
+    for n, (label, pol) in product(sizes, (("before", base), ("node", node))):
+        sc = pol.with_(peers=n, rounds=rounds, churn__per_hour=0.1,
+                       gossip__floods=2 if n >= 3000 else pol.gossip.floods)
         r = _run(sc, log)
         tr = r.traffic
         assert tr is not None and r.flood is not None
         out["scaling"].append({
+            "policy": label, "hb_s": r.heartbeat_interval_s, "ann_s": r.announce_interval_s,
+            "conns": r.connections, "horizon_s": r.gc_horizon_s,
+            "unique_hb": n / r.heartbeat_interval_s, "unique_ann": n / r.announce_interval_s,
             "n": n, "wall_s": r.wall_s, "cpu_s": r.cpu_s, "virtual_s": r.virtual_s,
             "msgs": tr.msgs, "bytes": tr.bytes, "msgs_max": tr.msgs_max,
             "copies": r.flood.copies_mean, "write_t99": r.write_t99_s,
@@ -55,8 +72,24 @@ def run(base: Scenario, quick: bool, log: Any = print) -> dict:
             "ready_p50": _q(r.join_to_ready, 0.5), "avg_p50": _q(r.join_to_averaged, 0.5),
             "avg_p95": _q(r.join_to_averaged, 0.95), "entries": r.doc_entries,
             "averaged": r.averaged_share})
+    hours = 12.0
+    for n in ([100, 1000] if quick else [100, 1000, 10000]):
+        for label, pol in (("before", base), ("node", node)):
+            m = pol.membership
+            horizon = policies.gc_horizon_s(n, m.announce_s, m.gc_horizon_s) \
+                if m.gc_horizon_s > 0 else 0.0
+            t0 = time.perf_counter()
+            d = document_under_churn(n, 0.1, hours, Swarm(pol).sizes.entries_per_peer,
+                                     horizon, pol.seed)
+            log(f"document, {n} peers, {hours:g} h of churn 10%/h, {label}: {d.entries:,} "
+                f"entries (peak {d.peak:,}), {time.perf_counter() - t0:.1f} s")
+            out["doc"].append({"policy": label, **asdict(d)})
+    if reuse is not None:
+        for key in REUSABLE:
+            out[key] = reuse[key]
+        out["reused"] = reuse.get("machine", "an earlier run")
     n_churn = 300 if quick else 1000
-    for per_hour in (0.0, 0.1, 0.3):
+    for per_hour in (() if reuse is not None else (0.0, 0.1, 0.3)):
         for algo in ("noloco", "diloco"):
             sc = base.with_(peers=n_churn, rounds=2 * rounds, churn__per_hour=per_hour,
                             training__algorithm=algo)
@@ -64,7 +97,7 @@ def run(base: Scenario, quick: bool, log: Any = print) -> dict:
             out["churn"].append({"n": n_churn, "per_hour": per_hour, "algo": algo,
                                  "averaged": r.averaged_share, "leaves": r.leaves,
                                  "virtual_s": r.virtual_s, "wall_s": r.wall_s})
-    for n in ([10, 100, 1000] if quick else [10, 100, 1000, 10000]):
+    for n in (() if reuse is not None else [10, 100, 1000] if quick else [10, 100, 1000, 10000]):
         for algo in ("noloco", "diloco"):
             sc = base.with_(peers=n, rounds=rounds // 2, churn__per_hour=0.1,
                             training__algorithm=algo,
@@ -75,17 +108,19 @@ def run(base: Scenario, quick: bool, log: Any = print) -> dict:
                                  "virtual_s": r.virtual_s, "averaged": r.averaged_share,
                                  "wall_s": r.wall_s})
     n_syb = 200 if quick else 1000
-    for share in (0.1, 0.2, 0.3, 0.4):
+    for share in (() if reuse is not None else (0.1, 0.2, 0.3, 0.4)):
         for agg in ("mean", "sybilwall"):
             o = sybil_attack(n_syb, share, agg, rounds=8 if quick else 12, seed=base.seed)
             log(f"sybils {share:.0%} of {n_syb} vs {agg}: success {o.success:.3f} "
                 f"({o.seconds:.1f} s)")
             out["sybil"].append(asdict(o))
     for n in ([100, 1000] if quick else [100, 1000, 10000]):
-        for policy in ("newest", "any-recent"):
+        for policy in ("newest", "any-recent", "holders"):
             b = checkpoint_burst(n, 0.1, policy, base.checkpoint.size_mb,
                                  base.network.bandwidth_mbit, base.seed)
             out["burst"].append(asdict(b))
+    if reuse is not None:
+        return out
     big_n = 20_000 if quick else 100_000
     sc = base.with_(peers=big_n, rounds=10, churn__per_hour=0.1, gossip__floods=1)
     r = _run(sc, log)
