@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from testnet.sim import policies
+from testnet.sim.sizes import measure as measure_sizes
 
 
 def _status(state_dir: str) -> dict[str, Any] | None:
@@ -56,16 +57,20 @@ def measure(directory: Path, seconds: float = 30.0) -> dict[str, Any]:
             "announce_s": b["run_document"].get("announce_interval_s"),
             "entries": b["run_document"].get("entries")})
     n = len(nodes)
-    interval = policies.heartbeat(n, 1.0)
     sent = sum(r["sent_per_s"] for r in rows) / max(1, len(rows))
     return {"n": n, "answered": len(rows), "window_s": dt, "rows": rows,
-            "load": os.getloadavg(), "cpus": os.cpu_count(),
-            "sim": {"interval_s": interval, "inbound_per_s": (n - 1) / interval,
-                    "announce_s": policies.announce(n, 2.0),
-                    # the same formula at the rate the nodes really sent (a loaded machine
-                    # stretches trio's sleeps): what the simulator says at that rate
-                    "inbound_at_measured_send_rate": (n - 1) * sent}}
+            "load": os.getloadavg(), "cpus": os.cpu_count(), "sim": predict(n, sent)}
 
+
+def predict(n: int, sent_per_s: float) -> dict[str, float]:
+    """The simulator's figures for n joined nodes (node.toml's policies)."""
+    interval = policies.heartbeat(n, 1.0)
+    return {"interval_s": interval, "inbound_per_s": (n - 1) / interval,
+            "announce_s": policies.announce(n, 2.0),
+            "entries": n * measure_sizes().entries_per_peer,
+            # the same formula at the rate the nodes really sent (a loaded machine
+            # stretches trio's sleeps): what the simulator says at that rate
+            "inbound_at_measured_send_rate": (n - 1) * sent_per_s}
 
 if __name__ == "__main__":
     print(json.dumps(measure(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2
