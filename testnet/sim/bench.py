@@ -33,7 +33,8 @@ REUSABLE = ("churn", "algos", "sybil", "big")
 
 def _run(sc: Scenario, log: Any) -> Result:
     res = Swarm(sc).run()
-    log(f"N={sc.peers} {sc.training.algorithm} ({sc.membership.policy}) churn {sc.churn.per_hour:g}/h x "
+    log(f"N={sc.peers} {sc.training.algorithm} ({sc.membership.policy}) churn "
+        f"{sc.churn.per_hour:g}/h x "
         f"{sc.rounds} rounds: {res.wall_s:.1f} s wall, {res.cpu_s:.1f} s CPU, "
         f"{res.virtual_s:.0f} s virtual")
     return res
