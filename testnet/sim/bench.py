@@ -250,6 +250,66 @@ def plot(res: dict, path: Path) -> bool:
     return True
 
 
+def _breakpoints(res: dict) -> list[str]:
+    """Which breakpoints the node's policies moved and which remain, from the numbers."""
+    sc = res["scaling"]
+    bef = {r["n"]: r for r in sc if _pol(r) == "before"}
+    nod = {r["n"]: r for r in sc if _pol(r) == "node"}
+    if not nod:
+        return []
+    top = max(nod)
+    b, n = bef[top], nod[top]
+
+    def gossip(r: dict) -> float:
+        return sum(v for k, v in r["msgs"].items() if k != "averaging")
+
+    out = [
+        f"- Moved: membership. `before` grows as ~7.5 N ({gossip(b):,.0f} messages/s at "
+        f"{top:,} peers); `node` stays at {gossip(n):,.0f}/s from 100 peers on, whatever N: "
+        f"{n['unique_hb']:.0f} heartbeats and {n['unique_ann']:.0f} announces a second "
+        f"after de-duplication, ~{n['copies']:.0f} copies each on the wire. Bounded, but "
+        f"over the {INBOUND_BUDGET:.0f}/s budget if a duplicate costs as much as a first "
+        "receipt (unmeasured: py-libp2p drops a seen id before validating it).",
+        f"- Moved: IHAVE. Its ids are those of the last 3 s, now at most 3 x "
+        f"{n['unique_hb'] + n['unique_ann']:.0f}: {n['bytes']['ihave'] * 8 / 1e6:.2f} Mbit/s "
+        f"at any N (`before`: {b['bytes']['ihave'] * 8 / 1e6:.1f} Mbit/s at {top:,}); no "
+        "cap needed while the rates are bounded.",
+    ]
+    burst = {(r["n"], r["policy"]): r for r in res["burst"]}
+    bn = max(r["n"] for r in res["burst"])
+    if (bn, "holders") in burst:
+        h, w = burst[(bn, "holders")], burst[(bn, "newest")]
+        out.append(
+            f"- Moved: checkpoint provision. When 10% of {bn:,} peers join at once the busiest "
+            f"holder serves {h['busiest_gb']:.1f} GB (the writer alone: {w['busiest_gb']:.0f} "
+            f"GB), at most {h['busiest_pulls']} pulls at once, 99% done in "
+            f"{h['t99_s']:,.0f} s (was {w['t99_s']:,.0f} s).")
+    docs = {(r["n"], r["policy"]): r for r in res.get("doc", [])}
+    dn = max((r["n"] for r in res.get("doc", [])), default=0)
+    if (dn, "node") in docs:
+        d, e = docs[(dn, "node")], docs[(dn, "before")]
+        verdict = ("above" if d["peak"] > d["cap"] else "under")
+        out.append(
+            f"- Partly moved: the run document. Compaction bounds it (before: every peer ever "
+            f"seen, {e['entries']:,} entries after {e['hours']:g} h at {dn:,} peers, growing "
+            f"without end); bounded it holds the live peers and those gone within the horizon, "
+            f"{d['peak']:,} at {dn:,} peers, {verdict} the {d['cap']:,} cap: the horizon "
+            f"stretches to {d['horizon_s']:,.0f} s there (never under 10 announce intervals), "
+            "so with 10%/h churn the cap is reached from about 9,000 peers. Remains.")
+    out.append(
+        f"- Remains: DHT provider records. Every peer re-provides the run key every 30 s, so "
+        f"the 20 peers closest to it each take (N - 1) / 30 ADD_PROVIDER a second "
+        f"({(top - 1) / 30:,.0f}/s at {top:,} peers, the `busiest` column). The fix: a node "
+        "provides the run key only while a lookup finds fewer than ~20 providers (bootstraps "
+        "always); not done here (node/run/manifest.py and p2p/dht.py's re-provide loop, and "
+        "a real-DHT test).")
+    ae = n["bytes"]["anti-entropy"] * 8 / 1e6
+    out.append(
+        f"- Remains, smaller: anti-entropy grows with the document ({ae:.2f} Mbit/s at "
+        f"{top:,}), bounded by the 1 MiB delta (1.7 Mbit/s).")
+    return out
+
+
 def _pol(r: dict) -> str:
     return r.get("policy", "before")
 
@@ -421,6 +481,7 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
             + (f"{over[0]:,} peers" if over else "no size measured")
             + f"; at {rows[-1]['n']:,} peers a node takes {gossip_in:,.0f} gossip messages/s "
             f"({mbit:.2f} Mbit/s without the weight exchanges).")
+    lines += _breakpoints(res)
     big = res["big"]
     head = next((r for r in sc if r["n"] == 10000), None)
     lines.append(
