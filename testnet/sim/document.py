@@ -1,6 +1,7 @@
 """The run document's size under churn, compacted by the node's own rule.
 
-Entries are modelled by key and stamp only (no values, no signatures): each peer that
+Entries are `protocols.rundoc.Entry` with their keys and stamps (empty values, unsigned:
+compaction reads neither): each peer that
 joins writes `entries_per_peer` keys under `peer/<id>/`; a live peer re-announces (its
 `last_seen` entry gets a fresh stamp at every compaction check, as its announces and
 `RunDocument.refresh` keep its newest stamp within one announce interval); a departed
@@ -10,18 +11,9 @@ peer's keys keep their last stamps. What is dropped is decided by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from protocols.rundoc import Stamp, compactable
-
-
-@dataclass
-class _Entry:
-    """What `compactable` reads of a `protocols.rundoc.Entry`."""
-
-    key: str
-    hlc: Stamp
-    tombstone: bool = False
+from protocols.rundoc import Entry, Stamp, compactable
 
 
 class DocModel:
@@ -29,8 +21,8 @@ class DocModel:
 
     def __init__(self, entries_per_peer: int) -> None:
         self.per_peer = max(1, entries_per_peer)
-        self.entries: dict[str, _Entry] = {}
-        self._last_seen: dict[str, _Entry] = {}
+        self.entries: dict[str, Entry] = {}
+        self._last_seen: dict[str, str] = {}  # peer -> the key its announces re-stamp
         self.peak = 0
         self.compacted = 0
 
@@ -40,9 +32,9 @@ class DocModel:
     def join(self, peer: str, now_s: float) -> None:
         stamp = Stamp(int(now_s * 1000), 0, peer)
         for j in range(self.per_peer):
-            e = _Entry(f"peer/{peer}/k{j}", stamp)
-            self.entries[e.key] = e
-        self._last_seen[peer] = self.entries[f"peer/{peer}/k0"]
+            key = f"peer/{peer}/k{j}"
+            self.entries[key] = Entry(key, b"", stamp, False, b"")
+        self._last_seen[peer] = f"peer/{peer}/k0"
         self.peak = max(self.peak, len(self.entries))
 
     def leave(self, peer: str, now_s: float) -> None:
@@ -53,9 +45,10 @@ class DocModel:
     def touch(self, peers: list[str], now_s: float) -> None:
         """Live `peers` announced up to now."""
         for p in peers:
-            e = self._last_seen.get(p)
-            if e is not None:
-                e.hlc = Stamp(int(now_s * 1000), 0, p)
+            key = self._last_seen.get(p)
+            if key is not None and key in self.entries:
+                self.entries[key] = replace(self.entries[key],
+                                            hlc=Stamp(int(now_s * 1000), 0, p))
 
     def compact(self, now_s: float, horizon_s: float) -> int:
         drop = compactable(self.entries.values(), int(now_s * 1000), int(horizon_s * 1000))
