@@ -223,11 +223,21 @@ def checkfree(quick: Quick = False) -> None:
 
 
 @app.command("kill-stage")
-def kill_stage(quick: Quick = False) -> None:
-    """A pipeline stage killed live: CheckFree, CheckFree+ and a seed restart, timed."""
+def kill_stage(
+    quick: Quick = False,
+    case: Annotated[list[str] | None, typer.Option(
+        "--case", help="interior, edge-plus, edge-default, restart, replica, twice, "
+        "adjacent (repeatable; default: all).")] = None,
+    load: Annotated[str, typer.Option(
+        "--load", help="idle, burner (beside one `yes` process) or both.")] = "both",
+) -> None:
+    """Pipeline stages killed live (one, a replica, twice, adjacent, an edge), timed."""
     from testnet.bench import killstage as bench
 
-    bench.main(quick=quick)
+    try:
+        bench.main(quick=quick, names=case, load=load)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()

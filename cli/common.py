@@ -122,7 +122,7 @@ def _plain_usage_name(self: Any) -> str:
 
 # typer 0.29 writes arguments as {RUN_ID} in usage, <str> beside their name and <bool>
 # beside every flag (--help too): small patches of its help rendering
-# (tests/test_cli_help.py pins what a user sees).
+# (tests/cli/test_cli_help.py pins what a user sees).
 # Another typer (an older one was seen on a GPU machine's image) may lack these hooks: its
 # help then reads a little differently, and the CLI still starts.
 _option_type = getattr(typer.core.TyperOption, "display_type_rich", None)

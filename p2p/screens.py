@@ -3,7 +3,7 @@
 py-libp2p 0.8.1's AutoNAT and identify/push handlers read one length-prefixed protobuf
 and, on any error, log an ERROR line and close the stream: the gate (p2p/gate.py) never
 heard of it, so garbage cost its sender nothing but a line in our log each time (the
-hostile-protocol suite, tests/test_hostile_protocols.py, found both). The read function
+hostile-protocol suite, tests/swarm/test_hostile_protocols.py, found both). The read function
 each handler calls is rebound in its module (as p2p/dht.py rebinds KadDHT's) to one that
 also parses what it read, and blames the stream's peer (`p2p.blame.blame`, a no-op outside
 a guarded handler) for an oversized or undecodable message. The handler still does what

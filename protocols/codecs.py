@@ -245,7 +245,7 @@ def _unzstd(view: memoryview, expected: int) -> np.ndarray:
 
     zstandard's `decompress` sizes its output from the frame header's content size when
     there is one, ignoring max_output_size: a 20-byte frame claiming 8 GB gets an 8 GB
-    allocation (tests/test_codecs.py measures it). So the claimed size is checked first;
+    allocation (tests/protocols/test_codecs.py measures it). So the claimed size is checked first;
     max_output_size then bounds frames that claim none.
     """
     try:

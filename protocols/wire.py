@@ -33,7 +33,7 @@ str or bytes. A "raw" payload must be exactly prod(shape) * itemsize bytes.
 
 Errors (protocols/errors.py): `RemoteProtocolError` when the peer's bytes are refused (the
 decoder is then dead: close the stream); `LocalProtocolError` when we misuse the API. Any
-other exception out of `FrameDecoder` is a bug (tests/test_wire.py fuzzes for it).
+other exception out of `FrameDecoder` is a bug (tests/protocols/test_wire.py fuzzes for it).
 """
 
 from __future__ import annotations

@@ -366,19 +366,21 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
 
     result: PullResult | None = None
     error: Exception | None = None
-    ahead: dict[ID, Any] = {}  # _pull's lanes asked beside a manifest request
+    ahead: dict[ID, Any] = {}  # _Pull's lanes asked beside a manifest request
     async with trio.open_nursery() as outer:
         if more_providers is not None:
             outer.start_soon(look_up)
         else:
             looked_up.set()
         try:
-            result = await _pull(
+            result = await _Pull(
                 lambda peer: _Session(substrate, peer, open_stream), providers, cid, store,
-                chunk_timeout, progress, check,
-                lambda name: lanes and (path_of is None or path_of(name) == "direct"),
-                lambda name: "webrtc" if path_of and path_of(name) == "webrtc" else "stream",
-                started, lacking, reasons, looked_up, lambda: lookup or [], ahead)
+                chunk_timeout=chunk_timeout, progress=progress, check=check,
+                lane_for=lambda name: lanes and (path_of is None or path_of(name) == "direct"),
+                route_of=lambda name: ("webrtc" if path_of and path_of(name) == "webrtc"
+                                       else "stream"),
+                started=started, lacking=lacking, reasons=reasons, looked_up=looked_up,
+                found=lambda: lookup or [], ahead=ahead).run()
         except Exception as e:  # raised below, plain: not in the nursery's exception group
             error = e
         finally:
@@ -394,167 +396,225 @@ async def pull(substrate: Substrate, providers: list[ID], cid: str, store: Check
     return result
 
 
-async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid: str,
-                store: CheckpointStore, chunk_timeout: float,
-                progress: Callable[[int, int], None],
-                check: Callable[[ck.CheckpointManifest], None] | None,
-                lane_for: Callable[[str], bool], route_of: Callable[[str], str],
-                started: float, lacking: set[ID], reasons: list[str], looked_up: trio.Event,
-                found: Callable[[], list[ID]], ahead: dict[ID, Any]) -> PullResult:
-    manifest = None
-    asked: list[ID] = []
+class _Pull:
+    """One checkpoint pull: the manifest from the first provider that serves it (its lane
+    asked for beside), then every missing chunk from every provider at once, each worker
+    taking the next index from one shared queue (on its lane, or on the stream one at a
+    time); a provider that fails is dropped and its chunks go back to the queue.
 
-    async def lane_ahead(peer: ID) -> None:
-        """The lane of the provider asked for the manifest, asked for at once on a second
-        stream: its round trips (the request, then the TCP connect) overlap the manifest's
-        instead of following them (0.4-0.8 s beside 4 trainers, `node bench join`). Kept in
-        `ahead` for that provider's worker: a lane, None ("no lane now") or the error."""
-        session = session_for(peer)
-        try:
-            with trio.fail_after(chunk_timeout):
-                ahead[peer] = await session.open_lane(cid)
-        except Exception as e:
-            ahead[peer] = e
-        finally:
-            with trio.CancelScope(shield=True):
+    `lane_for(peer)`: ask it for a lane (only on direct paths); `route_of(peer)`: what
+    carries its stream ("stream" or "webrtc"); `found()`: the providers the lookup returned
+    once `looked_up` is set. `lacking` and `reasons` are the caller's, for its error;
+    `ahead` holds the lanes asked beside the manifest (the caller closes what is left)."""
+
+    def __init__(self, session_for: Callable[[ID], _Session], providers: list[ID], cid: str,
+                 store: CheckpointStore, *, chunk_timeout: float,
+                 progress: Callable[[int, int], None],
+                 check: Callable[[ck.CheckpointManifest], None] | None,
+                 lane_for: Callable[[str], bool], route_of: Callable[[str], str],
+                 started: float, lacking: set[ID], reasons: list[str],
+                 looked_up: trio.Event, found: Callable[[], list[ID]],
+                 ahead: dict[ID, Any]) -> None:
+        self.session_for, self.providers, self.cid, self.store = (
+            session_for, providers, cid, store)
+        self.chunk_timeout, self.progress, self.check = chunk_timeout, progress, check
+        self.lane_for, self.route_of, self.started = lane_for, route_of, started
+        self.lacking, self.reasons, self.looked_up = lacking, reasons, looked_up
+        self.found, self.ahead = found, ahead
+        self.finished = trio.Event()
+        self.remaining: set[int] = set()
+        self.done = self.total = 0
+        self.send, self.receive = trio.open_memory_channel[int](0)  # sized in run()
+
+    async def run(self) -> PullResult:
+        manifest = self.manifest = await self._manifest()
+        if self.check is not None:
+            self.check(manifest)
+        result = self.result = PullResult(manifest)
+        store = self.store
+        store.chunks.mkdir(parents=True, exist_ok=True)
+        todo = [i for i, d in enumerate(manifest.chunks) if not (store.chunks / d).exists()]
+        self.total, self.done = len(manifest.chunks), len(manifest.chunks) - len(todo)
+        result.chunks_local = self.done
+        self.progress(self.done, self.total)
+        self.send, self.receive = trio.open_memory_channel[int](len(todo) + 1)
+        for i in todo:
+            self.send.send_nowait(i)
+        self.remaining = set(todo)
+        if not self.remaining:
+            self.finished.set()
+        async with trio.open_nursery() as nursery:
+            for peer in self.providers:
+                if peer not in self.lacking:
+                    nursery.start_soon(self._worker, peer)
+            nursery.start_soon(self._later_providers, nursery)
+        if self.remaining:
+            why = "".join(f"\n  {p}: {r}" for p, r in sorted(result.failures.items()))
+            raise CheckpointError(f"checkpoint {self.cid}: {len(self.remaining)} of "
+                                  f"{self.total} chunks could not be fetched from any "
+                                  f"provider:{why}")
+        store.put_manifest(self.cid, manifest.encode())
+        result.seconds = time.monotonic() - self.started
+        result.asked = len(self.providers)
+        log.info("checkpoint %s: %d chunks in %.2f s (%s)", self.cid,
+                 self.total - result.chunks_local, result.seconds,
+                 ", ".join(f"{p[:12]}…: {n} on the {result.paths.get(p)}"
+                           for p, n in result.chunks_by_peer.items()))
+        return result
+
+    # -- the manifest ----------------------------------------------------------------------
+
+    async def _manifest(self) -> ck.CheckpointManifest:
+        """From the providers in order, then the lookup's; CheckpointError if none serves
+        bytes that hash to the cid."""
+        asked: list[ID] = []
+        providers = self.providers
+        while True:
+            todo_peers = [p for p in providers if p not in asked]
+            if not todo_peers:
+                if self.looked_up.is_set() and not [p for p in self.found() if p not in asked]:
+                    break
+                await self.looked_up.wait()
+                providers += [p for p in self.found() if p not in providers]
+                continue
+            peer = todo_peers[0]
+            asked.append(peer)
+            session = self.session_for(peer)
+            try:
+                manifest = ck.decode(await self._manifest_of(peer, session),
+                                     expected_cid=self.cid)
+            except trio.TooSlowError:
+                self.reasons.append(f"{peer}: no answer within {self.chunk_timeout:g} s")
+            except LookupError as e:
+                self.lacking.add(peer)
+                self.reasons.append(f"{peer}: {e}")
+            except Exception as e:
+                self.reasons.append(f"{peer}: {e}")
+            else:
+                log.info("checkpoint %s: manifest from %s after %.2f s (%d chunks)", self.cid,
+                         peer, time.monotonic() - self.started, len(manifest.chunks))
+                return manifest
+            finally:
                 await session.close()
+        raise CheckpointError(f"no provider served checkpoint {self.cid}:\n  "
+                              + "\n  ".join(self.reasons or ["(no providers)"]))
 
-    async def manifest_of(peer: ID, session: _Session) -> bytes:
+    async def _manifest_of(self, peer: ID, session: _Session) -> bytes:
         """`peer`'s manifest bytes (its error raised), its lane asked for beside."""
         answer: list[Any] = []
 
         async def ask(both: trio.Nursery) -> None:
             try:
-                with trio.fail_after(chunk_timeout):
+                with trio.fail_after(self.chunk_timeout):
                     req = next(_ids)
-                    answer.append(await session.ask(cx.request_manifest(req, cid), req,
+                    answer.append(await session.ask(cx.request_manifest(req, self.cid), req,
                                                     "ckpt.manifest"))
             except Exception as e:  # raised below, outside the nursery
                 answer.append(e)
                 both.cancel_scope.cancel()  # no lane from a provider that failed
 
         async with trio.open_nursery() as both:
-            if lane_for(peer.to_base58()):
-                both.start_soon(lane_ahead, peer)
+            if self.lane_for(peer.to_base58()):
+                both.start_soon(self._lane_ahead, peer)
             await ask(both)
         if isinstance(answer[0], Exception):
             raise answer[0]
         return answer[0]
 
-    while manifest is None:
-        todo_peers = [p for p in providers if p not in asked]
-        if not todo_peers:
-            if looked_up.is_set() and not [p for p in found() if p not in asked]:
-                break
-            await looked_up.wait()
-            providers += [p for p in found() if p not in providers]
-            continue
-        peer = todo_peers[0]
-        asked.append(peer)
-        session = session_for(peer)
+    async def _lane_ahead(self, peer: ID) -> None:
+        """The lane of the provider asked for the manifest, asked for at once on a second
+        stream: its round trips (the request, then the TCP connect) overlap the manifest's
+        instead of following them (0.4-0.8 s beside 4 trainers, `node bench join`). Kept in
+        `ahead` for that provider's worker: a lane, None ("no lane now") or the error."""
+        session = self.session_for(peer)
         try:
-            manifest = ck.decode(await manifest_of(peer, session), expected_cid=cid)
-            break
-        except trio.TooSlowError:
-            reasons.append(f"{peer}: no answer within {chunk_timeout:g} s")
-        except LookupError as e:
-            lacking.add(peer)
-            reasons.append(f"{peer}: {e}")
+            with trio.fail_after(self.chunk_timeout):
+                self.ahead[peer] = await session.open_lane(self.cid)
         except Exception as e:
-            reasons.append(f"{peer}: {e}")
+            self.ahead[peer] = e
         finally:
-            await session.close()
-    if manifest is None:
-        raise CheckpointError(f"no provider served checkpoint {cid}:\n  "
-                              + "\n  ".join(reasons or ["(no providers)"]))
-    log.info("checkpoint %s: manifest from %s after %.2f s (%d chunks)", cid, peer,
-             time.monotonic() - started, len(manifest.chunks))
-    if check is not None:
-        check(manifest)
-    result = PullResult(manifest)
-    store.chunks.mkdir(parents=True, exist_ok=True)
-    todo = [i for i, d in enumerate(manifest.chunks) if not (store.chunks / d).exists()]
-    total, done = len(manifest.chunks), len(manifest.chunks) - len(todo)
-    result.chunks_local = done
-    progress(done, total)
-    send, receive = trio.open_memory_channel[int](len(todo) + 1)
-    for i in todo:
-        send.send_nowait(i)
-    remaining = set(todo)
-    finished = trio.Event()
-    if not remaining:
-        finished.set()
+            with trio.CancelScope(shield=True):
+                await session.close()
 
-    def failed(name: str, indices: list[int], e: BaseException) -> None:
+    # -- the chunks --------------------------------------------------------------------------
+
+    def _failed(self, name: str, indices: list[int], e: BaseException) -> None:
         """A provider is dropped; its chunks go back to the queue for the others."""
         log.info("chunk(s) %s from %s failed (%r); another provider takes them",
                  indices, name, e)
         first = indices[0] if indices else None
-        result.failures[name] = (f"chunk {first}: no answer within {chunk_timeout:g} s"
-                                 if isinstance(e, trio.TooSlowError) else f"chunk {first}: {e}")
+        self.result.failures[name] = (
+            f"chunk {first}: no answer within {self.chunk_timeout:g} s"
+            if isinstance(e, trio.TooSlowError) else f"chunk {first}: {e}")
         for index in indices:
-            send.send_nowait(index)
+            self.send.send_nowait(index)
 
-    def fetched(name: str, index: int, size: int) -> None:
-        nonlocal done
+    def _fetched(self, name: str, index: int, size: int) -> None:
+        result = self.result
         result.bytes_by_peer[name] = result.bytes_by_peer.get(name, 0) + size
         result.chunks_by_peer[name] = result.chunks_by_peer.get(name, 0) + 1
-        remaining.discard(index)
-        done += 1
-        progress(done, total)
-        if not remaining:
-            finished.set()
+        self.remaining.discard(index)
+        self.done += 1
+        self.progress(self.done, self.total)
+        if not self.remaining:
+            self.finished.set()
 
-    async def next_index() -> int | None:
+    async def _next_index(self) -> int | None:
         with trio.move_on_after(0.2):  # only the wait for work is bounded this way
-            return await receive.receive()
+            return await self.receive.receive()
         return None
 
-    async def on_stream(session: _Session, name: str) -> None:
-        while not finished.is_set():
-            index = await next_index()
+    async def _next_index_or_done(self) -> None:
+        with trio.move_on_after(0.2):
+            await self.finished.wait()
+
+    async def _on_stream(self, session: _Session, name: str) -> None:
+        while not self.finished.is_set():
+            index = await self._next_index()
             if index is None:
                 continue
             try:
-                with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                with trio.fail_after(self.chunk_timeout):  # a stalled provider is dropped
                     req = next(_ids)
-                    data = await session.ask(cx.request_chunk(req, cid, index), req,
+                    data = await session.ask(cx.request_chunk(req, self.cid, index), req,
                                              "ckpt.chunk")
-                store.put_chunk(manifest.chunks[index], data)
+                self.store.put_chunk(self.manifest.chunks[index], data)
             except (Exception, trio.TooSlowError) as e:
-                failed(name, [index], e)
+                self._failed(name, [index], e)
                 return
-            fetched(name, index, len(data))
+            self._fetched(name, index, len(data))
 
-    async def on_lane(lane: LaneStream, name: str) -> None:
+    async def _on_lane(self, lane: LaneStream, name: str) -> None:
         """LANE_WINDOW requests in flight; each chunk is verified and written in a worker
         thread while the next one arrives. On any failure, every chunk this provider had
         taken and not stored goes back to the queue."""
         inflight: deque[tuple[int, int]] = deque()  # (index, request id), in order
         pending: set[int] = set()  # taken from the queue, not yet stored
         to_store, storing = trio.open_memory_channel[tuple[int, bytearray]](1)
+        manifest = self.manifest
 
         async def receive_chunks() -> None:
             async with to_store:
-                while not finished.is_set():
+                while not self.finished.is_set():
                     while len(inflight) < LANE_WINDOW:  # keep the provider busy
                         index: int | None
                         try:
-                            index = receive.receive_nowait()
+                            index = self.receive.receive_nowait()
                         except trio.WouldBlock:
-                            index = None if inflight or pending else await next_index()
+                            index = (None if inflight or pending
+                                     else await self._next_index())
                         if index is None:
                             break
                         req = next(_ids)
                         inflight.append((index, req))
                         pending.add(index)
-                        await lane.write(cx.request_chunk(req, cid, index))
+                        await lane.write(cx.request_chunk(req, self.cid, index))
                     if not inflight:
                         if pending:  # the last chunks are being stored
-                            await next_index_or_done()
+                            await self._next_index_or_done()
                         continue
                     index, req = inflight[0]
-                    with trio.fail_after(chunk_timeout):  # a stalled provider is dropped
+                    with trio.fail_after(self.chunk_timeout):  # a stalled provider: dropped
                         data = await _lane_chunk(lane, req, index,
                                                  manifest.chunk_size(index))
                     inflight.popleft()
@@ -562,53 +622,51 @@ async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid:
 
         async def store_chunks() -> None:
             async for index, data in storing:  # hash checked in put_chunk
-                await trio.to_thread.run_sync(store.put_chunk, manifest.chunks[index], data)
+                await trio.to_thread.run_sync(self.store.put_chunk, manifest.chunks[index],
+                                              data)
                 pending.discard(index)
-                fetched(name, index, len(data))
+                self._fetched(name, index, len(data))
 
         errors = await _together(receive_chunks, store_chunks)
         if errors:
-            failed(name, sorted(pending), errors[0])
+            self._failed(name, sorted(pending), errors[0])
 
-    async def next_index_or_done() -> None:
-        with trio.move_on_after(0.2):
-            await finished.wait()
-
-    async def worker(peer: ID) -> None:
-        name = peer.to_base58()
-        session = session_for(peer)
+    async def _worker(self, peer: ID) -> None:
+        """One provider's share: on its lane if it gives one, else on its stream."""
+        name, result = peer.to_base58(), self.result
+        session = self.session_for(peer)
         try:
             lane = None
-            if lane_for(name):
+            if self.lane_for(name):
                 try:
-                    if peer in ahead:  # asked beside the manifest request
-                        lane = ahead.pop(peer)
+                    if peer in self.ahead:  # asked beside the manifest request
+                        lane = self.ahead.pop(peer)
                         if isinstance(lane, BaseException):
                             raise lane
                     else:
-                        with trio.fail_after(chunk_timeout):
-                            lane = await session.open_lane(cid)
+                        with trio.fail_after(self.chunk_timeout):
+                            lane = await session.open_lane(self.cid)
                 except LookupError as e:  # not held there after all
                     result.failures[name] = str(e)
                     return
                 except trio.TooSlowError:  # a stalled provider is dropped, as for a chunk
-                    result.failures[name] = f"no answer within {chunk_timeout:g} s"
+                    result.failures[name] = f"no answer within {self.chunk_timeout:g} s"
                     return
                 except Exception as e:
                     log.info("no bulk lane to %s (%r); the libp2p stream carries the chunks",
                              name, e)
                 if lane is not None or session.stream is not None:
                     await session.close()  # the lane request ended that stream's session
-                    session = session_for(peer)
+                    session = self.session_for(peer)
             if lane is None:
-                result.paths[name] = route_of(name)
-                await on_stream(session, name)
+                result.paths[name] = self.route_of(name)
+                await self._on_stream(session, name)
                 return
             result.paths[name] = "lane"
-            log.info("checkpoint %s: lane to %s open after %.2f s", cid, name,
-                     time.monotonic() - started)
+            log.info("checkpoint %s: lane to %s open after %.2f s", self.cid, name,
+                     time.monotonic() - self.started)
             try:
-                await on_lane(lane, name)
+                await self._on_lane(lane, name)
             finally:
                 with trio.move_on_after(2):
                     with contextlib.suppress(Exception):
@@ -616,29 +674,12 @@ async def _pull(session_for: Callable[[ID], _Session], providers: list[ID], cid:
         finally:
             await session.close()
 
-    async def later_providers(nursery: trio.Nursery) -> None:
+    async def _later_providers(self, nursery: trio.Nursery) -> None:
         """The lookup's providers join in when it returns, unless we are done by then."""
-        while not looked_up.is_set() and not finished.is_set():
+        while not self.looked_up.is_set() and not self.finished.is_set():
             with trio.move_on_after(0.2):
-                await looked_up.wait()
-        for peer in found():
-            if peer not in providers and not finished.is_set():
-                providers.append(peer)
-                nursery.start_soon(worker, peer)
-
-    async with trio.open_nursery() as nursery:
-        for peer in providers:
-            if peer not in lacking:
-                nursery.start_soon(worker, peer)
-        nursery.start_soon(later_providers, nursery)
-    if remaining:
-        why = "".join(f"\n  {p}: {r}" for p, r in sorted(result.failures.items()))
-        raise CheckpointError(f"checkpoint {cid}: {len(remaining)} of {total} chunks could not "
-                              f"be fetched from any provider:{why}")
-    store.put_manifest(cid, manifest.encode())
-    result.seconds = time.monotonic() - started
-    result.asked = len(providers)
-    log.info("checkpoint %s: %d chunks in %.2f s (%s)", cid, total - result.chunks_local,
-             result.seconds, ", ".join(f"{p[:12]}…: {n} on the {result.paths.get(p)}"
-                                       for p, n in result.chunks_by_peer.items()))
-    return result
+                await self.looked_up.wait()
+        for peer in self.found():
+            if peer not in self.providers and not self.finished.is_set():
+                self.providers.append(peer)
+                nursery.start_soon(self._worker, peer)

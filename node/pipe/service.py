@@ -2,8 +2,9 @@
 
 On start it picks its stage from the live membership (placement.py: the stage with the
 fewest live hosts, ties to the lowest), writes it in its own namespace of the run
-document (`peer/<id>/stage`) and in its heartbeats (so every view has it within a
-second), and keeps the choice in line with membership: until training starts, nodes
+document (`peer/<id>/stage`), as a leased claim (`stage/<n>/<id>`, claims.py: the map
+every node agrees on; a takeover bids on it) and in its heartbeats (so every view has it
+within a second), and keeps the choice in line with membership: until training starts, nodes
 that joined together move apart (placement.rebalance). Training starts once every stage
 has a host, the replicas are balanced and the map has been stable for SETTLE_S; then the
 stage's worker (worker.py) runs in the trainer thread, torch's own, and this service
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.ml.pipeline.schedule import hops
-from node.pipe import convergence, placement, stage_ckpt, stall
+from node.pipe import claims, convergence, placement, stage_ckpt, stall
 from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import Stalls, WeightsFetcher, why
 from node.pipe.links import Inbox, Lost, Outbox, Outgoing, serve_stream
@@ -99,6 +100,9 @@ class PipelineService:
         # "none": built in run(), keyed by stage (its run key follows _set_stage).
         self.averager: Any = None
         self._nursery: trio.Nursery | None = None
+        # This node's lease on its stage in the run document (claims.py); None without a
+        # run document (unit tests of the heartbeat rules)
+        self.lease: claims.StageLease | None = None
 
     # -- the stage map -------------------------------------------------------------------
 
@@ -152,6 +156,17 @@ class PipelineService:
         if self.stage is not None:
             out[ctx.peer_id] = self.stage
         return out
+
+    def agreed_hosts(self, first_choice: bool = False) -> dict[str, int]:
+        """`hosts()` plus the live stage claims of peers the live view misses
+        (claims.merged): what a joiner fills and untrained nodes rebalance by."""
+        hosts = self.hosts(first_choice)
+        if self.lease is None:
+            return hosts
+        from node.run.rundoc_sync import now_ms
+
+        me = self.lease.me  # our own claim is `self.stage`, or a previous run's
+        return claims.merged(hosts, [c for c in self.lease.claims(now_ms()) if c.peer != me])
 
     def settled(self) -> set[str]:
         """Live hosts whose stage trains already (their heartbeats say `staged`)."""
@@ -220,6 +235,8 @@ class PipelineService:
         entry = doc.entry(key)
         if entry is not None:
             ctx.publisher.publish_nowait(topic(self.run_id), doc.encode_delta([entry]))
+        if self.lease is not None:
+            self.lease.hold(stage, now_ms())
 
     # -- the service ---------------------------------------------------------------------
 
@@ -238,6 +255,8 @@ class PipelineService:
         ctx.transports.serve(pipe.WEIGHTS_PROTOCOL_ID, self._serve_weights)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.lease = self._lease(ctx)
+            nursery.start_soon(self._hold_lease)
             nursery.start_soon(self.outbox.run)
             if self.m.outer.algorithm == "noloco":
                 await nursery.start(self._averager(ctx).run)
@@ -250,9 +269,9 @@ class PipelineService:
             # One ttl later those have expired and every live peer has beaten again.
             if time.monotonic() - ctx.phases.started > ctx.config.peer_ttl_s:
                 await trio.sleep(ctx.config.peer_ttl_s)
-            self._set_stage(placement.choose(self.hosts(first_choice=True), self.n))
+            self._set_stage(placement.choose(self.agreed_hosts(first_choice=True), self.n))
             nursery.start_soon(self._follow_membership, ctx)
-            if self.m.pipeline is not None and self.m.pipeline.recovery == "checkfree+":
+            if self._keeps_ends():
                 nursery.start_soon(self._keep_ends)
             task_status.started()
             await self._wait_to_start(ctx)
@@ -320,13 +339,45 @@ class PipelineService:
             await trio.sleep(ctx.config.heartbeat_s)
             self._follow_once()
 
+    def _lease(self, ctx: NodeContext) -> claims.StageLease | None:
+        if ctx.run is None or getattr(ctx.run, "document", None) is None:
+            return None
+        from node.run.rundoc_sync import topic
+
+        def publish(delta: bytes) -> None:
+            ctx.publisher.publish_nowait(topic(self.run_id), delta)
+
+        return claims.StageLease(ctx.run.document, ctx.peer_id, self.n, publish)
+
+    async def _hold_lease(self) -> None:
+        """Renew our stage claim while we host it; a stop (this task cancelled with the
+        service) tombstones it, so the stage is free at once, not a lease later."""
+        from node.run.rundoc_sync import now_ms
+
+        if self.lease is None:
+            return
+        try:
+            while True:
+                await trio.sleep(claims.RENEW_S / 3)
+                self.lease.renew(now_ms())
+        finally:
+            with contextlib.suppress(Exception):
+                self.lease.release(now_ms())
+
     def _follow_once(self) -> None:
         """Keep the stage choice in line with the live view (placement.rebalance); a
         takeover only of a stage nobody heard lately hosts (convergence.recent_hosts)."""
         ctx = self._ctx
         assert ctx is not None
-        move = placement.rebalance(ctx.peer_id, self.hosts(), self.n, training=self.training,
+        # untrained nodes move apart by the agreed map; a trained one by its live view,
+        # and then only through a bid on the stage's lease (_bid)
+        hosts = self.hosts() if self.training else self.agreed_hosts()
+        move = placement.rebalance(ctx.peer_id, hosts, self.n, training=self.training,
                                    settled=self.settled(), uptime=self.uptimes())
+        if self.lease is not None and self.lease.bid is not None and move != self.lease.bid:
+            from node.run.rundoc_sync import now_ms
+
+            self.lease.withdraw_bid(now_ms())  # the stage we bid for is not empty any more
         if move is None:
             return
         if not self.training:
@@ -338,12 +389,42 @@ class PipelineService:
                 self.counters["refused: takeover"] += 1
                 log.info("pipeline: stage %d has no live host in this view, but %s was "
                          "heard within %.0f s: not taking it over", move, recent, FRESH_S)
+                if self.lease is not None and self.lease.bid is not None:
+                    from node.run.rundoc_sync import now_ms
+
+                    self.lease.withdraw_bid(now_ms())
+            elif self.lease is not None and not self._bid(move):
+                return
             else:
                 log.warning("pipeline: stage %d has no host heard within %.0f s; this node "
                             "(stage %s, which keeps %d more) takes it over", move, FRESH_S,
                             self.stage, len(self.stage_map()[self.stage or 0]) - 1)
                 self._move_to = move
                 self._stop.set()
+
+    def _bid(self, move: int) -> bool:
+        """A takeover of `move` through its lease (claims.verdict): True once our bid
+        has held BID_S with no claim ranked before it; refused while another's lease on
+        the stage is live; a lost bid is withdrawn."""
+        from node.run.rundoc_sync import now_ms
+
+        ctx, lease = self._ctx, self.lease
+        assert ctx is not None and lease is not None
+        t = now_ms()
+        verdict, peer = claims.verdict(ctx.peer_id, move, lease.claims(t), t)
+        if verdict == "refused":
+            self.counters["refused: takeover (lease)"] += 1
+            log.info("pipeline: stage %d has no live host in this view, but %s's claim on it "
+                     "is live: not taking it over", move, peer)
+        elif verdict == "bid":
+            lease.place_bid(move, t)
+            log.info("pipeline: bidding for stage %d, which no live claim holds", move)
+        elif verdict == "lost":
+            lease.withdraw_bid(t)
+            self.counters["refused: takeover (bid lost)"] += 1
+            log.info("pipeline: %s's claim on stage %d ranks before our bid: withdrawn",
+                     peer, move)
+        return verdict == "won"
 
     async def _wait_to_start(self, ctx: NodeContext) -> None:
         self.phase = "waiting for stages"
@@ -735,6 +816,14 @@ class PipelineService:
                                 f"(asked {len(holders)}: {'; '.join(failed)})")
         return got[0], got[1].tensors
 
+    def _keeps_ends(self) -> bool:
+        """Whether the edges' neighbours keep a copy of their ends: under CheckFree+, and
+        under CheckFree too where a lost edge takes CheckFree+'s rule (checkfree.plan)."""
+        from node.ml.recovery.checkfree import edges_have_rule
+
+        p = self.m.pipeline
+        return p is not None and edges_have_rule(self.layers, p.recovery)
+
     async def _keep_ends(self) -> None:
         """CheckFree+: a host of the stage next to an edge stage keeps a copy of that
         edge's ends, refreshed every ENDS_EVERY_S from one of its live hosts."""
@@ -926,6 +1015,14 @@ class PipelineService:
 
     # -- status --------------------------------------------------------------------------
 
+    def _claims_statistics(self) -> dict[str, Any] | None:
+        """The stage map the run document's live claims agree on, and our claim and bid."""
+        if self.lease is None:
+            return None
+        from node.run.rundoc_sync import now_ms
+
+        return self.lease.statistics(now_ms())
+
     def statistics(self) -> dict[str, Any]:
         if self._ctx is None:
             return {"phase": "starting"}
@@ -960,6 +1057,7 @@ class PipelineService:
                         **{f"inbox {k}": v for k, v in self.inbox.refused.items()}},
             "queued": self.inbox.qsize(),
             "recovery": self.recovery,
+            "claims": self._claims_statistics(),
             "replicas": (self.worker.replicas.statistics()
                          if self.worker is not None and self.worker.replicas is not None
                          else None),

@@ -61,7 +61,7 @@ IDENTITIES_NOTE = (
     "and the resource manager's per-peer token buckets at 1,000 each, and the gate's "
     "scores at 4,096; the ping service's stream sets and the auto-connector's "
     "disconnect times grew by one entry per identity without end and are now bounded "
-    "(p2p/peer_state.py, tests/test_peer_state_bounds.py). What still grows: RSS "
+    "(p2p/peer_state.py, tests/p2p/test_peer_state_bounds.py). What still grows: RSS "
     "while those caps fill (a few KB per identity up to 1,000) and after, +8 MB from "
     "the 1,000th to the 1,800th identity, then flat. That later rise is not live "
     "state: in-process, from the 1,000th to the 1,600th identity the live Python "
@@ -290,7 +290,7 @@ def report(soak: Soak, identities: int, workers: int, elapsed: float, fresh_s: f
             f"way.\n\n{md_table(headers, rows)}\n\n{summary}\n\n{IDENTITIES_NOTE}\n\n"
             "Before p2p/slots.py the node kept py-libp2p's inbound slot of every connection "
             "until the host stopped and reset every connection after its 250th (issue 26; "
-            "tests/test_slots.py).")
+            "tests/p2p/test_slots.py).")
     write_section("soak", text, doc) if doc else write_section("soak", text)
     return text
 

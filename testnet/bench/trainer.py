@@ -272,7 +272,7 @@ It takes about 2-4 minutes on an H100 (two compiles of the model, about a minute
 second mostly from inductor's cache; then 4 variants x 3 rounds x 20 steps). The CPU run
 (`node bench trainer --device cpu`, the demo model) rewrites the CPU block. The CUDA paths'
 tests run on the same machine in about a minute more:
-`pytest -q tests/test_trainer_speed.py tests/test_device_memory.py tests/test_adamw.py`
+`pytest -q tests/ml/test_trainer_speed.py tests/ml/test_device_memory.py tests/ml/test_adamw.py`
 (the memory estimate against the measured peak, fused AdamW against torch's, the NaN caught
 on the GPU, accumulation, a real `torch.compile` beside training).
 """

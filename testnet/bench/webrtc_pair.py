@@ -2,7 +2,7 @@
 reaches the other NATed peer through the relay, gets a WebRTC path, then exchanges a
 tensor over an averaging round and pushes a bulk payload through a data channel.
 
-Run inside the namespaces of `tests/test_webrtc_nat.py` (or by hand, one per namespace):
+Run inside the namespaces of `tests/swarm/test_webrtc_nat.py` (or by hand, one per namespace):
 
     python -m testnet.bench.webrtc_pair --role public  --listen /ip4/IP/tcp/4001 --dir D
     python -m testnet.bench.webrtc_pair --role private --listen /ip4/IP/tcp/4001 --dir D \

@@ -1,5 +1,5 @@
 """Run the fuzz targets: `python -m tests.fuzz --target all --seconds 60` (a long run) or
-`--runs 300 --seed 1` (bounded and deterministic, what tests/test_fuzz.py runs).
+`--runs 300 --seed 1` (bounded and deterministic, what tests/protocols/test_fuzz.py runs).
 
 protocols/ is imported under atheris' bytecode instrumentation, then each target runs in a
 forked child (libFuzzer's loop ends the process it runs in), one at a time, bounded by

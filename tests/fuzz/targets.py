@@ -7,7 +7,7 @@ a bug to fix in protocols/, with a regression test. Targets that take more than 
 limits, how the stream is split, a codec) read them from the first bytes of the input, in
 a fixed layout, so the fuzzer explores them too and a valid seed is exact.
 
-No atheris import here: tests/test_fuzz.py replays seeds and found inputs without it.
+No atheris import here: tests/protocols/test_fuzz.py replays seeds and found inputs without it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ below it, the N - P extra workers first hand their vector to a partner among the
 (which then stands for two), the first P run the doubling with each vector weighted by
 how many workers it stands for, and each extra worker takes the result back from its
 partner: 2 + log2(P) swaps one after the other. The mean is exact in every case
-(tests/test_allreduce.py simulates it for N = 1..17).
+(tests/ml/test_allreduce.py simulates it for N = 1..17).
 
 Who is worker i is agreed without a coordinator, as NoLoCo's groups are: the sorted ids of
 the live members. A swarm whose views differ, or a partner that fails a step, fails the

@@ -20,7 +20,7 @@ tensor"). Signs: θ̄ − φ is the *descent* direction (the opposite of DiLoCo'
 
 With an empty group (no partner, or the partner timed out) G = {self} and the step is the
 local one m ← μ·m + η·(θ − φ) (spec 1c, "peer missing"). With G = every replica the update
-equals DiLoCo with heavy-ball momentum (m_NoLoCo = −η·m_DiLoCo); tests/test_optim.py checks it.
+equals DiLoCo with heavy-ball momentum (m_NoLoCo = −η·m_DiLoCo); tests/ml/test_optim.py checks it.
 """
 
 from __future__ import annotations

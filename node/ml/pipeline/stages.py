@@ -146,7 +146,7 @@ class Stage(nn.Module):
 def split_gpt(model: GPT, layers: Sequence[int]) -> list[Stage]:
     """The stages of `model`, with its weights (copied): `layers[i]` blocks in stage i.
 
-    The stages compute exactly what `model` computes (tests/test_pipeline.py checks it to
+    The stages compute exactly what `model` computes (tests/ml/test_pipeline.py checks it to
     float tolerance). In the returned list the last stage borrows the first's embedding
     matrix as its head (see the module docstring).
     """

@@ -11,6 +11,11 @@ Rules (specs/algorithms.md §4c, from gensyn-ai/CheckFree's simulation code):
   two and the last two stages with blocks can stand in for each other: a lost one of those
   four is a **copy** of its swap partner, and a lost embedding or head (the ends) is the
   copy its neighbour keeps (`EdgeCopies`). A tied embedding is copied, never averaged.
+- **The edges under CheckFree** (the manifest's default rule): a first or last stage,
+  which CheckFree cannot rebuild, takes CheckFree+'s rule where the layout has one (a
+  copy of its swap partner with at least 4 stages with blocks; a 0-block end from its
+  neighbour's copy): `edge_plan`. Without the swap's training the copy is rougher than
+  CheckFree+'s, but far from the seed.
 - **Adjacent losses** (stages a..b all lost, or holding only untrained weights): each is
   rebuilt from the nearest surviving stage on each side, a-1 and b+1, with the same
   formula and each side's ω divided by its distance in stages (the nearer side counts
@@ -32,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from node.ml.pipeline.schedule import swap_partner
+from node.ml.pipeline.schedule import block_stages, swap_partner
 
 EPS = 1e-4  # the reference's ω = ‖g‖ + 1e-4: neither weight is ever 0
 DEFAULT_LR_BOOST = 1.1  # 124M and 1.5B configs; 1.2 at 500M (§4c)
@@ -141,10 +146,58 @@ def plan(lost: int, layers: Sequence[int], mode: Mode, lost_too: Collection[int]
     neighbours for a single loss), both holding as many blocks. CheckFree+: also the first
     two and last two stages with blocks, copied from their swap partner where it survives,
     and 0-block end stages (embedding / head only), restored from their neighbour's copy.
+
+    Under CheckFree (the manifest's default) a stage it cannot rebuild, an edge, takes
+    CheckFree+'s rule where the layout allows one (`edge_plan`): restarting the first stage
+    from the seed cost the testnet 2.69 -> 5.18 in loss, a copy of its partner 2.59 -> 3.60
+    without the swap's training (docs/pipeline.md, "Recovery live"; issue 27).
     """
     n = len(layers)
     if not 0 <= lost < n:
         raise RecoveryError(f"stage {lost} is not a stage of a {n}-stage pipeline")
+    if mode == "checkfree":
+        try:
+            return _plan(lost, layers, mode, lost_too)
+        except RecoveryError as e:
+            edge = edge_plan(lost, layers, lost_too)
+            if edge is None:
+                raise e from None
+            return edge
+    return _plan(lost, layers, mode, lost_too)
+
+
+def edge_plan(lost: int, layers: Sequence[int], lost_too: Collection[int] = ()
+              ) -> Plan | None:
+    """CheckFree+'s rule for stage `lost` where the layout allows it without CheckFree+'s
+    swap having run: a 0-block end stage (its neighbour's copy of the ends), or one of the
+    first two / last two stages with blocks of a layout with at least 4 of them (a copy of
+    its swap partner, plus the ends if it holds them). None where there is no such rule
+    (fewer than 4 block stages, or the partner lost too)."""
+    if len(block_stages(layers)) < 4 and layers[lost] > 0:
+        return None
+    try:
+        return _plan(lost, layers, "checkfree+", lost_too)
+    except RecoveryError:
+        return None
+
+
+def edges_have_rule(layers: Sequence[int], mode: str) -> bool:
+    """Whether a lost first or last stage has a rule that needs its neighbour's copy of
+    the ends (node/pipe's `_keep_ends` keeps one only then)."""
+    if mode not in ("checkfree", "checkfree+"):
+        return False
+    for edge in (0, len(layers) - 1):
+        try:
+            if plan(edge, layers, mode).ends:  # type: ignore[arg-type]
+                return True
+        except RecoveryError:
+            pass
+    return False
+
+
+def _plan(lost: int, layers: Sequence[int], mode: Mode, lost_too: Collection[int] = ()
+          ) -> Plan:
+    n = len(layers)
     ends = lost in (0, n - 1)
     if layers[lost] == 0:
         if mode == "checkfree+" and ends:

@@ -9,7 +9,7 @@ half of the torch import a join waits beside (docs/benchmarks.md, "Joining mid-r
 
 The update is torch's, operation for operation (torch 2.13's `_multi_tensor_adamw` /
 `_single_tensor_adamw`: they agree), so a step here equals a `torch.optim.AdamW` step bit
-for bit; tests/test_adamw.py holds it to that. `state_dict()` has torch's layout too (state
+for bit; tests/ml/test_adamw.py holds it to that. `state_dict()` has torch's layout too (state
 keyed by parameter index; `step`, `exp_avg`, `exp_avg_sq`; every group option), so a
 checkpoint written by either loads into the other.
 

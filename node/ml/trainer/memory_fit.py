@@ -20,7 +20,7 @@ What a step holds (fp32 master weights, AdamW, bf16 autocast on CUDA):
 Calibrated on an NVIDIA H100 (torch 2.11, bf16 autocast, issue 29): the 86M byte GPT (d_model
 768, 12 layers, 12 heads, context 1024) peaked at 6.7 GB (batch 16) and 11.9 GB (batch 32)
 of `torch.cuda.max_memory_allocated`; this estimate says 6.73 and 11.91 GB before the
-headroom (tests/test_device_memory.py pins both). With the s^2 term it said 64.3 GiB of
+headroom (tests/ml/test_device_memory.py pins both). With the s^2 term it said 64.3 GiB of
 activations at batch 64, about 3.4x what the GPU used, and refused batches that fit.
 A model given by a factory has no formula: its activations are not estimated (0), and an
 out-of-memory error in the first step is reported the same way (node/training/build.py).
