@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 import time
 from dataclasses import asdict
@@ -322,8 +323,10 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
         "## Swarm simulator: where the design breaks as the swarm grows",
         "",
         f"`node bench sim` on {started}; {total_s:.0f} s in all, one thread, on a machine "
-        "shared with other engineers' jobs (load average 10-25 on 2 cores: wall times are "
-        "pessimistic; CPU s is the figure to compare). "
+        "shared with other engineers' jobs ("
+        + (f"load average {res['load'][0]:.0f} at the start, {res['load'][1]:.0f} at the end"
+           if res.get("load") else "load average 10-25")
+        + " on 2 cores: wall times are pessimistic; CPU s is the figure to compare). "
         f"Scenario {scenario} (docs/simulator.md: what is real, what is modelled) as "
         "`before` (fixed heartbeat and announce rates, no compaction, the writer serves "
         "every checkpoint) and, with testnet/sim/scenarios/node.toml, `node` (the node's "
@@ -509,10 +512,11 @@ def main(quick: bool = False, scenario: Path | None = None, doc: Path | None = N
         res = json.loads(raw.read_text())
     else:
         base = load(path)
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         res = run(base, quick, log=lambda msg: console.print(msg),
                   reuse=json.loads(reuse.read_text()) if reuse is not None else None)
         res["total_s"], res["machine"] = time.perf_counter() - t0, machine()
+        res["load"] = [load0, os.getloadavg()[0]]
         raw = Path(tempfile.gettempdir()) / "peertrain-bench-sim.json"
         raw.write_text(json.dumps(res, default=float))
     if real is not None:
