@@ -300,10 +300,12 @@ def _breakpoints(res: dict) -> list[str]:
     out.append(
         f"- Remains: DHT provider records. Every peer re-provides the run key every 30 s, so "
         f"the 20 peers closest to it each take (N - 1) / 30 ADD_PROVIDER a second "
-        f"({(top - 1) / 30:,.0f}/s at {top:,} peers, the `busiest` column). The fix: a node "
-        "provides the run key only while a lookup finds fewer than ~20 providers (bootstraps "
-        "always); not done here (node/run/manifest.py and p2p/dht.py's re-provide loop, and "
-        "a real-DHT test).")
+        f"({(top - 1) / 30:,.0f}/s at {top:,} peers, the `busiest` column). The fix: a "
+        "stable sample provides, a node re-providing only while its rendezvous weight for "
+        "the run (as `holder_weight`) is among the top ~20 / N of its view (bootstraps "
+        "always); a look-up before each re-provide would only move the load to "
+        "GET_PROVIDERS at the same 20 peers. Not done here (node/run/manifest.py, p2p/dht.py's "
+        "re-provide loop, a real-DHT test).")
     ae = n["bytes"]["anti-entropy"] * 8 / 1e6
     out.append(
         f"- Remains, smaller: anti-entropy grows with the document ({ae:.2f} Mbit/s at "
