@@ -284,7 +284,13 @@ def soak(quick: Quick = False) -> None:
 def sim(quick: Quick = False,
         scenario: Annotated[Path | None, typer.Option(
             help="A scenario file (TOML; default testnet/sim/scenarios/default.toml).")]
-        = None) -> None:
+        = None,
+        reuse: Annotated[Path | None, typer.Option(
+            help="An earlier run's raw JSON: take its churn, NoLoCo/DiLoCo, sybil and "
+                 "100,000-peer results instead of running them again.")] = None,
+        real: Annotated[Path | None, typer.Option(
+            help="A loopback testnet's heartbeat rates (python -m testnet.sim.realcheck "
+                 "DIR), reported beside the simulator's.")] = None) -> None:
     """The swarm simulator's curves, 10 to 10,000 peers on virtual time: traffic per node,
     spread, joins, churn, NoLoCo vs DiLoCo, sybils, checkpoint bursts (PNG)."""
     from cli.common import fail
@@ -292,7 +298,7 @@ def sim(quick: Quick = False,
     from testnet.sim.scenario import ScenarioError
 
     try:
-        bench.main(quick=quick, scenario=scenario)
+        bench.main(quick=quick, scenario=scenario, reuse=reuse, real=real)
     except ScenarioError as e:
         raise fail(str(e), 2) from None
 

@@ -6,8 +6,14 @@ joiners' providers come from is the policy: "newest" is today's (everyone pulls 
 newest checkpoint, held by its writer alone: a joiner only provides what it holds after
 its pull, and its one extra lookup runs while it pulls); "any-recent" lets each joiner
 take any recent checkpoint that passes the progress check (every trainer writes one every
-few rounds), one holder drawn at random. Bandwidth is shared fluidly: a holder's uplink
-is split evenly among the pulls it serves, each pull capped by the joiner's downlink.
+few rounds), one holder drawn at random; "holders" is the node's since issue 30
+(node/checkpoints/holders.py, its functions called here): the newest checkpoint starts
+with its writer as the one holder, every joiner that finished its pull becomes one more,
+each joiner asks the `choose_holders` pick among the holders with a free upload slot (up
+to SOURCES at once, topped up as slots free), and each holder serves at most
+`UploadSlots(MAX_UPLOADS)` askers (the rest are refused as busy and ask the next).
+Bandwidth is shared fluidly: a holder's uplink is split evenly among the pulls it serves,
+a joiner's pull is the sum over its holders, capped by its downlink.
 
 `sybil_attack`: SybilWall (node/ml/aggregate, the real class and its history gossip)
 against one attacker behind many identities, all sending the same poisoned model, among
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from node.checkpoints.holders import MAX_UPLOADS, SOURCES, UploadSlots, choose_holders
 from node.ml.aggregate import HistoryTable, Incoming, make_aggregator
 
 MBIT = 1e6 / 8
@@ -47,12 +54,15 @@ def checkpoint_burst(n: int, share: float, policy: str, size_mb: float,
     lo, hi = (math.log(x * MBIT) for x in bandwidth_mbit)
     up = np.exp(rng.uniform(lo, hi, n))  # holders' uplinks (the swarm's peers)
     down = np.exp(rng.uniform(lo, hi, joiners))
+    if policy == "holders":
+        return _holders_burst(n, joiners, up, down, size_mb)
     if policy == "newest":
         holder = np.zeros(joiners, dtype=np.int64)  # peer 0 wrote the newest
     elif policy == "any-recent":
         holder = rng.integers(0, n, joiners)
     else:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; known: newest, any-recent")
+        raise ValueError(f"unknown checkpoint policy {policy!r}; known: newest, any-recent, "
+                         "holders")
     left = np.full(joiners, size_mb * 1e6)
     served = np.zeros(n)
     busiest_pulls = int(np.bincount(holder, minlength=n).max())
@@ -69,6 +79,75 @@ def checkpoint_burst(n: int, share: float, policy: str, size_mb: float,
         done_at[finished] = t
         active[finished] = False
     return Burst(n, joiners, policy, float(served.max() / 1e9), busiest_pulls,
+                 float(np.quantile(done_at, 0.5)), float(np.quantile(done_at, 0.99)))
+
+
+def _holders_burst(n: int, joiners: int, up: np.ndarray, down: np.ndarray,
+                   size_mb: float) -> Burst:
+    """The burst under the node's provision (module docstring). Holder ids: "w" (the
+    writer, swarm peer 0, with up[0]) and "j<k>" for joiner k once done (its uplink: the
+    same draw as its downlink). Events are completions; at each one, waiting joiners in
+    id order top up their sources from the holders with a free slot."""
+    cid = "ckpt-newest"
+    size = size_mb * 1e6
+    uplink = {"w": float(up[0])}
+    slots = {"w": UploadSlots(MAX_UPLOADS)}
+    sources: list[list[str]] = [[] for _ in range(joiners)]
+    left = np.full(joiners, size)
+    done_at = np.full(joiners, np.inf)
+    served: dict[str, float] = {"w": 0.0}
+    names = [f"j{k}" for k in range(joiners)]
+    busiest_pulls = 0
+    t = 0.0
+    active = set(range(joiners))
+
+    def top_up() -> None:
+        free = [h for h, sl in slots.items() if sl.askers < sl.cap]
+        for k in sorted(active, key=lambda k: (len(sources[k]), k)):
+            if not free:
+                return
+            if len(sources[k]) >= SOURCES:
+                continue
+            for h in choose_holders(cid, names[k], free, SOURCES - len(sources[k]),
+                                    exclude=sources[k]):
+                if slots[h].acquire(names[k]):
+                    sources[k].append(h)
+                if slots[h].askers >= slots[h].cap:
+                    free.remove(h)
+
+    top_up()
+    busiest_pulls = max(sl.askers for sl in slots.values())
+    while active:
+        act = sorted(active)
+        rate = np.zeros(len(act))
+        per: list[list[tuple[str, float]]] = []
+        for r, k in enumerate(act):
+            shares = [(h, uplink[h] / slots[h].askers) for h in sources[k]]
+            total = sum(x for _, x in shares)
+            scale = min(1.0, float(down[k]) / total) if total > 0 else 0.0
+            per.append([(h, x * scale) for h, x in shares])
+            rate[r] = total * scale
+        if not (rate > 0).any():  # pragma: no cover - the writer always has a slot free
+            raise RuntimeError("checkpoint burst stalled: no joiner has a holder")
+        moving = rate > 0
+        dt = float((left[act][moving] / rate[moving]).min())
+        for r, k in enumerate(act):
+            for h, x in per[r]:
+                served[h] += x * dt
+            left[k] -= rate[r] * dt
+        t += dt
+        for r, k in enumerate(act):
+            if rate[r] > 0 and left[k] <= 1e-6 * size:
+                done_at[k] = t
+                active.discard(k)
+                for h in sources[k]:
+                    slots[h].release(names[k])
+                sources[k] = []
+                uplink[names[k]] = float(down[k])  # a pulled checkpoint is served on
+                slots[names[k]] = UploadSlots(MAX_UPLOADS)
+                served[names[k]] = 0.0
+        top_up()
+    return Burst(n, joiners, "holders", max(served.values()) / 1e9, busiest_pulls,
                  float(np.quantile(done_at, 0.5)), float(np.quantile(done_at, 0.99)))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 SCHEMA = 1
 NAT_KINDS = ("public", "fullcone", "home", "symmetric")
+PROVISIONS = ("newest", "holders")
 
 
 class ScenarioError(ValueError):
@@ -50,6 +51,18 @@ class Membership:
     anti_entropy_s: float = 10.0  # run-document anti-entropy with a random live peer
     reprovide_s: float = 30.0  # DHT re-provide of the run key (node/config.py)
     want_peers: int = 8  # redialer: dial members while below this many connections
+    # The run document's announce interval: "constant" (every announce_s whatever N, as
+    # before issue 30) or "module:function" (n_live, announce_s) -> seconds, e.g.
+    # "testnet.sim.policies:announce" (the node's RunDocSync.announce_interval_s).
+    announce_policy: str = "constant"
+    # Compaction of departed peers' keys (protocols.rundoc.compactable) with the node's
+    # horizon rule (RunDocSync.horizon_ms: this, never under 10 announce intervals);
+    # 0: never compacted (before issue 30).
+    gc_horizon_s: float = 0.0
+    # The connection bound (node/membership/redial.py plan_connections: dial up to
+    # want_peers, close past max_peers), which sets IHAVE's targets; 0: the old model's
+    # fixed 2 x want_peers connections.
+    max_peers: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,10 @@ class Churn:
 class Checkpoint:
     size_mb: float = 100.0  # one checkpoint's bytes
     every_rounds: int = 5  # each trainer writes one every this many outer rounds
+    # Who serves a burst of joiners (testnet/sim/experiments.py checkpoint_burst):
+    # "newest" (its writer alone, before issue 30) or "holders" (every peer that pulled
+    # it, chosen by node.checkpoints.holders.choose_holders, UploadSlots per holder).
+    provision: str = "newest"
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,9 @@ class Scenario:
     def interval_policy(self) -> Callable[[int, float], float]:
         return load_policy(self.membership.policy)
 
+    def announce_policy(self) -> Callable[[int, float], float]:
+        return load_policy(self.membership.announce_policy)
+
 
 _SECTIONS = {"training": Training, "membership": Membership, "gossip": Gossip,
              "network": Network, "churn": Churn, "checkpoint": Checkpoint}
@@ -120,7 +140,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "degree": (1, 100), "lazy_min": (0, 100), "window": (1, 100), "floods": (1, 1000),
     "idontwant_min_bytes": (0, 1 << 30), "relay_mbit": (0.01, 1e5), "per_hour": (0, 100),
     "crash_share": (0, 1), "size_mb": (1e-3, 1e6), "every_rounds": (1, 100_000),
-    "seed": (0, 2**63 - 1),
+    "seed": (0, 2**63 - 1), "gc_horizon_s": (0, 1e7), "max_peers": (0, 100_000),
 }
 
 
@@ -205,10 +225,19 @@ def parse(text: str, path: str = "<string>") -> Scenario:
     if t.algorithm not in ("noloco", "diloco"):
         raise _err(path, "training.algorithm",
                    f"expected 'noloco' or 'diloco', got {t.algorithm!r}")
-    try:
-        scenario.interval_policy()
-    except ScenarioError as e:
-        raise _err(path, "membership.policy", str(e)) from None
+    for key, check in (("policy", scenario.interval_policy),
+                       ("announce_policy", scenario.announce_policy)):
+        try:
+            check()
+        except ScenarioError as e:
+            raise _err(path, f"membership.{key}", str(e)) from None
+    m = scenario.membership
+    if m.max_peers and m.max_peers < m.want_peers:
+        raise _err(path, "membership.max_peers",
+                   f"{m.max_peers} is under want_peers ({m.want_peers}); 0 for the old model")
+    if (prov := scenario.checkpoint.provision) not in PROVISIONS:
+        raise _err(path, "checkpoint.provision",
+                   f"expected one of {', '.join(PROVISIONS)}, got {prov!r}")
     return scenario
 
 
@@ -223,14 +252,15 @@ def load(path: str | Path) -> Scenario:
 
 
 def constant_interval(n_live: int, heartbeat_s: float) -> float:
-    """Today's policy (node/membership/heartbeats.py): every node beats every heartbeat_s,
-    whatever the swarm's size."""
+    """The policy before issue 30: every node beats (or announces) every base interval,
+    whatever the swarm's size (the node's now stretches it: testnet/sim/policies.py)."""
     return heartbeat_s
 
 
 def load_policy(spec: str) -> Callable[[int, float], float]:
-    """The heartbeat-interval policy named by `spec`: "constant", or "module:function" for a
-    pure function (n_live, heartbeat_s) -> seconds (checked on a few sizes)."""
+    """The interval policy (heartbeat or announce) named by `spec`: "constant", or
+    "module:function" for a pure function (n_live, base_s) -> seconds (checked on a few
+    sizes)."""
     if spec == "constant":
         return constant_interval
     module, _, name = spec.partition(":")

@@ -38,7 +38,8 @@ import torch
 from node.ml.optim.diloco import DiLoCoConfig, diloco_update
 from node.ml.optim.noloco import NoLoCoConfig, noloco_update
 from node.ml.optim.pairing import noloco_groups
-from testnet.sim import gossip
+from testnet.sim import gossip, policies
+from testnet.sim.document import DocModel
 from testnet.sim.scenario import NAT_KINDS, Scenario
 from testnet.sim.sizes import Sizes, avg_session_bytes, measure
 
@@ -94,7 +95,13 @@ class Result:
     flood: gossip.FloodStats | None = None
     write_t99_s: float = math.inf  # a run-document write reaches 99% of peers (gossip)
     anti_entropy_t99_s: float = math.inf  # ... by anti-entropy alone (gossip lost it)
-    doc_entries: int = 0
+    doc_entries: int = 0  # at the end of the run
+    doc_peak: int = 0  # the most at any round boundary
+    doc_compacted: int = 0  # entries dropped by compaction (gc_horizon_s > 0)
+    heartbeat_interval_s: float = 0.0  # the policies' intervals at the run's size
+    announce_interval_s: float = 0.0
+    gc_horizon_s: float = 0.0  # 0: no compaction
+    connections: float = 0.0  # per node, what IHAVE's targets are drawn from
     sync_s: float = 0.0  # mean wait for partners / all-reduce per round per peer
 
     @property
@@ -115,12 +122,16 @@ class Result:
 
 class Swarm:
     """One simulated run of `scenario`. `policy`: the heartbeat interval as a function of
-    (live peers, heartbeat_s); default: the scenario's (today's: constant)."""
+    (live peers, heartbeat_s); default: the scenario's. `announce_policy`: the same for
+    the run document's announces."""
 
     def __init__(self, scenario: Scenario,
-                 policy: Callable[[int, float], float] | None = None) -> None:
+                 policy: Callable[[int, float], float] | None = None,
+                 announce_policy: Callable[[int, float], float] | None = None) -> None:
         self.sc = sc = scenario
         self.policy = policy or sc.interval_policy()
+        self.announce_policy = announce_policy or sc.announce_policy()
+        self._conns: dict[int, float] = {}
         self.rng = np.random.default_rng(sc.seed)
         self.gen = torch.Generator().manual_seed(sc.seed)
         self.sizes: Sizes = measure()
@@ -143,6 +154,8 @@ class Swarm:
         self.joined_at = np.full(cap, np.inf)
         self.first_avg = np.full(cap, np.inf)
         self.count = 0
+        self.doc = DocModel(self.sizes.entries_per_peer)
+        self.last_compact = 0.0
         t = sc.training
         self.a = torch.linspace(0.2, 1.0, t.dim)  # curvatures: condition number 5
         self.c_star = torch.zeros(t.dim)
@@ -224,6 +237,8 @@ class Swarm:
                 self.theta[i] = self.phi[donor]
         else:
             self.ready_at[i] = self.in_view_at[i] = now
+        if self.sc.membership.gc_horizon_s > 0:
+            self.doc.join(self.ids[i], now)
         return i
 
     def _random_ready(self, now: float) -> int | None:
@@ -240,12 +255,51 @@ class Swarm:
         hops = 1 + max(0, math.ceil(math.log2(n / K_BUCKET)))
         dht = hops * rtt
         connect = 2 * rtt + (PUNCH_S if NAT_KINDS[self.nat[i]] in ("home", "symmetric") else 0)
-        doc_bytes = n * self.sizes.entries_per_peer * self.sizes.entry
+        doc_bytes = self._doc_entries(n) * self.sizes.entry
         deltas = max(1, math.ceil(doc_bytes / (1 << 20)))
         holder_bw = float(np.median(self.bw[:max(self.count, 1)]))
         sync = deltas * rtt + doc_bytes / min(self.bw[i], holder_bw)
         ckpt = self.sc.checkpoint.size_mb * 1e6 / min(self.bw[i], holder_bw) + rtt
         return dht + connect + sync + ckpt
+
+    def _doc_entries(self, n: int) -> int:
+        """Entries a replica holds now: the modelled document when it compacts, else six
+        per peer ever seen (nothing leaves)."""
+        if self.sc.membership.gc_horizon_s > 0:
+            return max(len(self.doc), n * self.sizes.entries_per_peer)
+        return max(self.count, n) * self.sizes.entries_per_peer
+
+    def connections(self, n: int) -> float:
+        """Connections per node: the old model's 2 x want_peers, or with max_peers set what
+        the redialer's plan_connections leaves (policies.connections)."""
+        m = self.sc.membership
+        if not m.max_peers:
+            return float(min(n - 1, 2 * m.want_peers))
+        if n not in self._conns:
+            self._conns[n] = min(n - 1, policies.connections(
+                n, m.want_peers, m.max_peers, self.sc.seed))
+        return self._conns[n]
+
+    def gc_horizon_s(self, n: int) -> float:
+        m = self.sc.membership
+        if m.gc_horizon_s <= 0:
+            return 0.0
+        return policies.gc_horizon_s(n, m.announce_s, m.gc_horizon_s)
+
+    def _compact(self, now: float) -> None:
+        """Every eighth of the horizon (the node checks every persist_s, 10 s; the
+        granularity moves a departure's drop by at most that): live peers' stamps are
+        fresh, then the node's rule drops what it names."""
+        n = int(self.alive.sum())
+        horizon = self.gc_horizon_s(n)
+        if horizon <= 0:
+            return
+        if now - self.last_compact >= horizon / 8:
+            self.last_compact = now
+            live = np.flatnonzero(self.alive[:self.count]).tolist()
+            self.doc.touch([self.ids[i] for i in live], now)
+            self.doc.compact(now, horizon)
+        self.doc.peak = max(self.doc.peak, len(self.doc))
 
     # -- traffic -----------------------------------------------------------------------------
 
@@ -255,7 +309,8 @@ class Swarm:
         sc, s, f = self.sc, self.sizes, self.flood
         m, g = sc.membership, sc.gossip
         hb_rate = n / self.policy(n, m.heartbeat_s)  # heartbeats published per second
-        ann_rate = n / m.announce_s
+        ann_s = self.announce_policy(n, m.announce_s)
+        ann_rate = n / ann_s
         tr = Traffic()
         tr.msgs["heartbeats"] = hb_rate * f.copies_mean
         tr.msgs_max["heartbeats"] = hb_rate * f.copies_max
@@ -266,7 +321,7 @@ class Swarm:
         tr.bytes["rundoc gossip"] = tr.msgs["rundoc gossip"] * s.announce
         # IHAVE: every gossipsub heartbeat, per topic, to max(lazy, 25% of the non-mesh
         # connected peers), listing every message id of the last `window` heartbeats.
-        conns = min(n - 1, 2 * m.want_peers)
+        conns = round(self.connections(n))
         targets = min(max(0, conns - g.degree), max(g.lazy_min, int(0.25 * (conns - g.degree))))
         ihave_msgs = 2 * targets / g.heartbeat_s
         ids = g.window * g.heartbeat_s * (hb_rate + ann_rate)
@@ -277,8 +332,8 @@ class Swarm:
         # Anti-entropy: each node starts one round every anti_entropy_s and answers about
         # one (summary in, delta+summary out, delta in). A bucket differs when an entry in
         # it was rewritten within the announce's spread time.
-        entries = n * s.entries_per_peer
-        in_flight = n * (s.entries_per_peer - 1) * f.t99 / m.announce_s
+        entries = self._doc_entries(n)
+        in_flight = n * (s.entries_per_peer - 1) * f.t99 / ann_s
         differing = 1024 * (1 - math.exp(-in_flight / 1024)) if entries else 0
         per_bucket = entries / 1024
         delta = min(1 << 20, differing * per_bucket * s.entry)
@@ -354,12 +409,15 @@ class Swarm:
             elif kind == LEAVE:
                 if self.alive[who]:
                     self.alive[who] = False
+                    if sc.membership.gc_horizon_s > 0:
+                        self.doc.leave(self.ids[who], now)
                     self.gone_at[who] = now
                     self.crashed[who] = self.rng.random() < sc.churn.crash_share
                     res.leaves += 1
             elif kind == ROUND:
                 if who >= sc.rounds:
                     break
+                self._compact(now)
                 pending = self._start_round(who, now)
                 push(pending["end"], EXCH, who)
             else:
@@ -377,7 +435,15 @@ class Swarm:
                              - self.joined_at[:self.count][arrived]).tolist()
         firsts = self.first_avg[:self.count][arrived] - self.joined_at[:self.count][arrived]
         res.join_to_averaged = [float(x) for x in firsts if np.isfinite(x)]
-        res.doc_entries = self.count * self.sizes.entries_per_peer  # nothing is compacted
+        n_end = int(self.alive.sum())
+        res.doc_entries = self._doc_entries(n_end)
+        res.doc_peak = max(self.doc.peak, res.doc_entries) if sc.membership.gc_horizon_s > 0 \
+            else res.doc_entries
+        res.doc_compacted = self.doc.compacted
+        res.heartbeat_interval_s = self.policy(n0, sc.membership.heartbeat_s)
+        res.announce_interval_s = self.announce_policy(n0, sc.membership.announce_s)
+        res.gc_horizon_s = self.gc_horizon_s(n0)
+        res.connections = self.connections(n0)
         res.wall_s = time.perf_counter() - started
         res.cpu_s = time.process_time() - cpu
         return res

@@ -1,0 +1,119 @@
+"""The simulator runs the node's issue-30 policies through the node's own functions."""
+
+from __future__ import annotations
+
+import pytest
+
+import node.checkpoints.holders as holders_mod
+import node.membership.redial as redial
+import protocols.heartbeat as heartbeat
+import protocols.rundoc as rundoc
+from node.run.rundoc_sync import ANNOUNCE_TARGET_PER_S
+from testnet.sim import document, experiments, policies
+from testnet.sim.bench import NODE_SCENARIO
+from testnet.sim.document import document_under_churn
+from testnet.sim.experiments import checkpoint_burst
+from testnet.sim.scenario import Scenario, ScenarioError, load, parse
+from testnet.sim.swarm import Swarm
+
+
+def node_small(**changes: object) -> Scenario:
+    """node.toml's policies on a small, fast swarm."""
+    base = load(NODE_SCENARIO).with_(peers=10, rounds=6, seed=3, training__step_s=0.05,
+                                     training__model_mb=1.0, gossip__floods=3)
+    return base.with_(**changes)
+
+
+def test_the_adapters_call_the_node_functions_not_copies() -> None:
+    assert policies.heartbeat_interval_s is heartbeat.heartbeat_interval_s
+    assert policies.plan_connections is redial.plan_connections
+    assert document.compactable is rundoc.compactable
+    assert experiments.choose_holders is holders_mod.choose_holders
+    assert experiments.UploadSlots is holders_mod.UploadSlots
+    sc = load(NODE_SCENARIO)
+    assert sc.interval_policy() is policies.heartbeat
+    assert sc.announce_policy() is policies.announce
+
+
+def test_above_the_target_the_interval_stretches_and_inbound_stays_at_it() -> None:
+    """200 peers, 4x the heartbeat target: every node beats every 4 s, so each receives
+    50 unique heartbeats a second (the target), a quarter of the fixed rate's traffic;
+    announces stretch to 20 s (10/s, the run document's target)."""
+    n = 200
+    before = Swarm(node_small(peers=n, membership__policy="constant",
+                              membership__announce_policy="constant")).run()
+    res = Swarm(node_small(peers=n)).run()
+    assert res.heartbeat_interval_s == heartbeat.heartbeat_interval_s(n, 1.0) == 4.0
+    assert n / res.heartbeat_interval_s <= heartbeat.TARGET_INBOUND_PER_S
+    assert res.announce_interval_s == 20.0
+    assert n / res.announce_interval_s <= ANNOUNCE_TARGET_PER_S
+    assert res.traffic is not None and before.traffic is not None and res.flood is not None
+    assert res.traffic.msgs["heartbeats"] == pytest.approx(
+        heartbeat.TARGET_INBOUND_PER_S * res.flood.copies_mean)
+    assert res.traffic.msgs["heartbeats"] == pytest.approx(
+        before.traffic.msgs["heartbeats"] / 4)
+    assert res.traffic.msgs["rundoc gossip"] == pytest.approx(
+        before.traffic.msgs["rundoc gossip"] / 10)
+    # below the target nothing changes
+    small = Swarm(node_small(peers=20)).run()
+    assert small.heartbeat_interval_s == 1.0 and small.announce_interval_s == 2.0
+
+
+def test_compaction_bounds_the_document_under_churn() -> None:
+    """Ten hours of 100%/h churn among 50 peers: without compaction the document keeps
+    every peer ever seen (~550 x 6 entries); with the node's rule it holds the live peers
+    and those gone within about a horizon, and never drops a live peer's entries."""
+    per = 6
+    kept = document_under_churn(50, 1.0, 10.0, per, 0.0, seed=5)
+    horizon = 1800.0
+    bounded = document_under_churn(50, 1.0, 10.0, per, horizon, seed=5)
+    assert kept.joins == bounded.joins > 300
+    assert kept.entries == per * (50 + kept.joins)
+    assert bounded.entries >= per * 50  # every live peer's keys are kept
+    # live + departures within 9/8 of a horizon (Poisson: 3x its mean as a margin)
+    assert bounded.peak <= per * (50 + 3 * 50 * 1.0 * horizon / 3600 * 9 / 8)
+    assert bounded.peak < kept.entries / 4
+
+
+def test_swarm_compacts_with_the_node_horizon_and_stays_deterministic() -> None:
+    sc = node_small(peers=30, rounds=60, churn__per_hour=40.0, membership__gc_horizon_s=20.0)
+    a, b = Swarm(sc).run(), Swarm(sc).run()
+    assert a.leaves > 10
+    # the horizon is RunDocSync's: never under 10 announce intervals (3 s at 30 peers)
+    assert a.announce_interval_s == 3.0 and a.gc_horizon_s == 30.0
+    assert a.doc_compacted > 0
+    assert a.doc_entries < 6 * (30 + a.joins)
+    assert (a.digest(), a.doc_entries, a.doc_peak, a.traffic) == \
+        (b.digest(), b.doc_entries, b.doc_peak, b.traffic)
+    off = Swarm(sc.with_(membership__gc_horizon_s=0.0)).run()
+    assert off.doc_compacted == 0 and off.doc_entries > a.doc_entries
+
+
+def test_holders_spread_a_join_burst() -> None:
+    """10% of 1,000 peers join at once: the writer alone serves all 100 pulls (10 GB);
+    with every finished joiner serving too, no holder serves more than MAX_UPLOADS at
+    once and the busiest serves a small multiple of the checkpoint."""
+    newest = checkpoint_burst(1000, 0.1, "newest", 100.0, (20.0, 1000.0), 1)
+    spread = checkpoint_burst(1000, 0.1, "holders", 100.0, (20.0, 1000.0), 1)
+    assert newest.busiest_pulls == 100 and newest.busiest_gb == pytest.approx(10.0)
+    assert spread.busiest_pulls <= holders_mod.MAX_UPLOADS
+    assert spread.busiest_gb < newest.busiest_gb / 5
+    assert spread.t99_s < newest.t99_s
+    assert spread == checkpoint_burst(1000, 0.1, "holders", 100.0, (20.0, 1000.0), 1)
+
+
+def test_connection_bound_from_plan_connections() -> None:
+    c = policies.connections(500, want=8, max_peers=32, seed=1)
+    assert 8 <= c <= 32
+    sc = node_small(peers=100)
+    assert Swarm(sc).run().connections == pytest.approx(c, rel=0.5)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("schema = 1\n[membership]\nmax_peers = 4\n", "membership.max_peers: 4 is under"),
+    ("schema = 1\n[checkpoint]\nprovision = \"all\"\n", "checkpoint.provision: expected one"),
+    ("schema = 1\n[membership]\nannounce_policy = \"nope\"\n", "membership.announce_policy"),
+])
+def test_new_keys_are_checked(text: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match=message):
+        parse(text, "x.toml")
