@@ -115,7 +115,8 @@ def test_heartbeats_of_a_stage_host_report_trained():
     from node.service import NodeContext
 
     run = SimpleNamespace(progress=SimpleNamespace(step=1000, trained=3, loss=None,
-                                                   val_loss=None, grad_norm=None),
+                                                   val_loss=None, grad_norm=None,
+                                                   span_wanted=1),
                           stage=1, manifest=SimpleNamespace(pipeline=object()),
                           stage_training=True)
     ctx = node_context(run=run, phases=SimpleNamespace(started=0.0))
