@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from node.ml.optim.compress import CompressedNoLoCo
 from protocols import averaging as av
 from protocols import sparse
-from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.errors import LocalProtocolError
 from protocols.wire import Envelope, encode_envelope, encode_tensor_frame, make_tensor_header
-from tests.protocols.test_averaging import RUN, S, feed, join, refuses
+from tests.protocols.test_averaging import RUN, S, feed, refuses
 
 NUMEL = 48 * 4096 + 37  # frames of about 6 KB: several pieces each
 CHUNK = 256  # pieces of 1 KiB: several per frame
