@@ -580,8 +580,10 @@ class Averager:
                 await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
                                              f"not {offer.numel}"))
                 return
-            codec = av.negotiate(offer.codecs, self.codecs) if not self.topk \
-                else sparse.negotiate(offer.codecs, self.codecs, peer=peer)
+            # not sparse.negotiate: its log promises a dense rule, and a topk run's rule for
+            # a dense partner is a local round (module docstring), logged by _no_topk
+            codec = av.TOPK if self.topk and av.TOPK in offer.codecs \
+                else av.negotiate(offer.codecs, self.codecs)
             if (codec == av.TOPK) != isinstance(slot.snapshot, Compressed):
                 self._no_topk(peer, codec)
                 await stream.write(ex.reject("this run exchanges topk frames"))
