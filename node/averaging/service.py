@@ -388,11 +388,12 @@ class Averager:
         A step that fails fails the round (an empty outcome: a local step); never raises."""
         from node.ml.optim import allreduce
 
-        steps = self._plans[r] = allreduce.plan(self.me, sorted({*self.members(), self.me}))
+        workers = sorted({*self.members(), self.me})
+        steps = self._plans[r] = allreduce.plan(self.me, workers)
         for old in [k for k in self._plans if k < r - 2]:
             del self._plans[old]
         if isinstance(snapshot, Compressed):
-            return await self._allgather(r, snapshot, steps)
+            return await self._allgather(r, snapshot, steps, len(workers))
         current, partners = snapshot, []
         for step in steps:
             outcome = await self.exchange(r * ALLREDUCE_STEPS + step.k, current)
@@ -407,7 +408,8 @@ class Averager:
         return Outcome(r, [current] if steps else [], partner=",".join(peers) or None,
                        peers=peers)
 
-    async def _allgather(self, r: int, own: Compressed, steps: list[Any]) -> Outcome:
+    async def _allgather(self, r: int, own: Compressed, steps: list[Any],
+                         workers: int) -> Outcome:
         """DiLoCo with topk frames: a sum of sparse frames is no frame, so the all-reduce's
         plan gathers every worker's frame instead. Where a step would average, the two
         sides' bundles (disjoint blocks of workers) are joined; where it hands over or takes
@@ -426,6 +428,10 @@ class Averager:
             held = theirs if not step.mine else held + theirs if step.theirs else held
             partners.append(step.partner)
         if not steps:
+            return Outcome(r, [])
+        if len(held) != workers:  # a bundle short or long: not every worker's frame once
+            log.info("round %d: all-gather ended with %d frames for %d workers; local step",
+                     r, len(held), workers)
             return Outcome(r, [])
         try:
             frames = [sparse.decode(b, own.size, self.topk_bounds) for b in sorted(held)]
