@@ -106,9 +106,13 @@ async def test_a_hostile_frame_costs_the_round_and_raises_nothing(kind, honest_i
         [r.getMessage() for r in caplog.records]
 
 
-async def test_a_partner_without_topk_gets_local_rounds_logged_once(caplog):
+@pytest.mark.parametrize("topk_initiates", [False, True])
+async def test_a_partner_without_topk_gets_local_rounds_logged_once(topk_initiates, caplog):
     subs = [Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
     ids = [s.peer_id.to_base58() for s in subs]
+    if (ids[0] < ids[1]) != topk_initiates:  # the smaller id dials
+        subs.reverse()
+        ids.reverse()
     # subs[0] runs topk; subs[1] is an older node that speaks only dense codecs
     avgs = [Averager(s, "run", me, (lambda other=other: [other]), codecs=codecs,
                      step_time=lambda: 0.01, inner_steps=1, lanes=False, topk_bounds=BOUNDS)
