@@ -47,6 +47,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import addrs as addr_policy
 from p2p import circuit, lazy_select, peer_state
+from p2p.circuit import is_relayed
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 from p2p.gossipsub import GossipSub
@@ -588,14 +589,6 @@ def relay_of(conn: Any) -> str | None:
     return ""
 
 
-def is_relayed(conn: Any) -> bool:
-    """True if `conn` goes through a circuit relay (a connection closing under us: False)."""
-    try:
-        if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
-            return True
-        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
-    except Exception:  # a connection closing under us: count it as what it most likely was
-        return False
 
 
 CLOSE_S = 2.0  # a stopping (or restarting) host closes its connections within this
