@@ -48,7 +48,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import addrs as addr_policy
-from p2p import circuit, lazy_select, peer_state
+from p2p import circuit, lazy_select, muxer, peer_state
 from p2p.circuit import is_relayed
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
@@ -190,6 +190,7 @@ class Substrate:
                 await trio.sleep(min(2.0 ** restarts * 0.1, 5.0))  # back off, bounded
 
     async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
+        muxer.install()  # Yamux frames written whole: a cancelled write broke Noise (p2p/muxer.py)
         host = new_host(
             key_pair=self.key_pair,
             sec_opt={NOISE_ID: NoiseTransport(self.key_pair,
