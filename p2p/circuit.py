@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import multiaddr
 import trio
@@ -28,8 +29,8 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-__all__ = ["HOP_PROTOCOL", "STOP_PROTOCOL", "CircuitError", "Reservation", "dial", "reserve",
-           "split"]
+__all__ = ["HOP_PROTOCOL", "STOP_PROTOCOL", "CircuitError", "Reservation", "dial", "is_relayed",
+           "reserve", "split"]
 
 STATUS_TEXT = {
     StatusCode.RESERVATION_REFUSED: "reservation refused",
@@ -57,6 +58,18 @@ class Reservation:
         """Where others can dial us through this relay (no /p2p/<us> suffix: the host's
         address list appends it)."""
         return [f"{a}/p2p-circuit" for a in self.addrs]
+
+
+def is_relayed(conn: Any) -> bool:
+    """True if `conn` goes through a circuit relay (a connection closing under us: False).
+    Both ends build the raw connection as RELAYED with the `/p2p-circuit` address, so this
+    holds from the moment the swarm announces it (the gate's per-IP count reads it then)."""
+    try:
+        if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
+            return True
+        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    except Exception:  # a connection closing under us: count it as what it most likely was
+        return False
 
 
 def split(addr: str) -> tuple[str, ID]:

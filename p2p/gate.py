@@ -5,7 +5,8 @@ without limit or deadline (its DHT handler read a half-sent message forever), an
 remembered a peer that sent garbage. `Gate` puts three checks in front of the host:
 
 * connection: a banned peer, or one more connection than its IP (or range) may have, is
-  closed as soon as it is up (`Notifee`);
+  closed as soon as it is up (`Notifee`); a relayed connection is not counted on an IP
+  (its remote address is the relay's);
 * stream, before protocol negotiation (`admit`): a banned peer's stream, or one over the
   budget (p2p/budget.py), is reset before anything else is allocated for it;
 * stream, once its protocol is known (`guard`): the per-protocol budget, then the handler
@@ -41,6 +42,7 @@ from libp2p.stream_muxer.exceptions import MuxedConnError, MuxedStreamError
 from p2p import screens
 from p2p.blame import serving
 from p2p.budget import Budget, BudgetLimits
+from p2p.circuit import is_relayed
 from p2p.scores import Ban, PeerScores, ScoreSettings
 
 log = logging.getLogger(__name__)
@@ -241,7 +243,11 @@ class Gate:
             self._close_later(conn)
             return
         ip = remote_ip(conn)
-        if ip is None:
+        if ip is None or is_relayed(conn):
+            # a relayed connection's remote IP is the relay's: counted there, every peer
+            # the relay brings us took a share of the relay's own budget, and past it the
+            # relay's circuits were closed. The relay's circuit limits (circuits_per_peer)
+            # and our per-peer cap bound them instead.
             return
         reason = self.budget.admit_connection(ip)
         if reason is None:

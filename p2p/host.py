@@ -21,6 +21,7 @@ import logging
 import math
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID as GOSSIP_10
@@ -46,7 +48,8 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import addrs as addr_policy
-from p2p import circuit, lazy_select, peer_state
+from p2p import circuit, lazy_select, muxer, peer_state
+from p2p.circuit import is_relayed
 from p2p.dht import DHT, STREAM_DEADLINE_S
 from p2p.gate import Gate
 from p2p.gossipsub import GossipSub
@@ -96,6 +99,11 @@ class GossipSettings:
 class SubstrateStats:
     started: int = 0
     restarts: int = 0
+    dials_refused: int = 0  # py-libp2p's own dials the dial policy refused
+
+
+# Set while `Substrate.connect` dials an address it checked itself (_police_dials).
+_CHECKED: ContextVar[bool] = ContextVar("peertrain_dial_checked", default=False)
 
 
 def parse_peer_addr(addr: str) -> PeerInfo:
@@ -182,6 +190,7 @@ class Substrate:
                 await trio.sleep(min(2.0 ** restarts * 0.1, 5.0))  # back off, bounded
 
     async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
+        muxer.install()  # Yamux frames written whole: a cancelled write broke Noise (p2p/muxer.py)
         host = new_host(
             key_pair=self.key_pair,
             sec_opt={NOISE_ID: NoiseTransport(self.key_pair,
@@ -192,6 +201,7 @@ class Substrate:
         )
         self._with_relayed(host)
         self.slots.install(host.get_network())
+        self._police_dials(host.get_network())
         peer_state.install(host)  # py-libp2p's per-peer maps that grow without end, bounded
         g = self.gossip_settings
         router = GossipSub(
@@ -254,6 +264,31 @@ class Substrate:
             if (ip is None or not ip.is_unspecified) and all(a != str(b) for b in out):
                 out.append(multiaddr.Multiaddr(a))
         return out
+
+    def _police_dials(self, swarm: Any) -> None:
+        """Hold py-libp2p's own dials to the dial policy (p2p/addrs.py). Its `dial_peer`
+        (host.connect and new_stream to a peer with no connection: gossipsub, the DHT,
+        identify's push) and its replacement of unhealthy connections dial every address
+        the peerstore holds, which identify, peer records and the DHT fill from what peers
+        say: an unspecified or loopback address a peer advertised was a dial of our own
+        machine. Every such dial goes through `_dial_with_retry`; a refused address fails
+        like an unreachable one, and dial_peer tries the next. Dials this module checked
+        itself (`connect`: an address the operator gave may be loopback when we listen on
+        this machine) pass."""
+        if getattr(swarm, "_peertrain_policed", False):
+            return
+        swarm._peertrain_policed = True
+        dial = swarm._dial_with_retry
+
+        async def policed(addr: Any, peer_id: ID, *args: Any, **kwargs: Any) -> Any:
+            if not _CHECKED.get():
+                reason = self.network().refuse(str(addr))
+                if reason is not None:
+                    self.stats.dials_refused += 1
+                    raise SwarmException(f"not dialed {addr}: {reason}")
+            return await dial(addr, peer_id, *args, **kwargs)
+
+        swarm._dial_with_retry = policed
 
     def network(self) -> addr_policy.Network:
         """Where this node sits for the dial policy: our interface IPs and bound listen
@@ -431,7 +466,11 @@ class Substrate:
                     # a LAN one (behind a full-cone or UPnP NAT) was never dialed at the
                     # public address it also advertises.
                     self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 120)
-                    conn = await network.dial_addr(info.addrs[0], info.peer_id)
+                    checked = _CHECKED.set(True)
+                    try:
+                        conn = await network.dial_addr(info.addrs[0], info.peer_id)
+                    finally:
+                        _CHECKED.reset(checked)
                     started = getattr(conn, "event_started", None)
                     if started is not None:
                         await started.wait()
@@ -588,14 +627,6 @@ def relay_of(conn: Any) -> str | None:
     return ""
 
 
-def is_relayed(conn: Any) -> bool:
-    """True if `conn` goes through a circuit relay (a connection closing under us: False)."""
-    try:
-        if str(getattr(conn.get_connection_type(), "value", "")) == "relayed":
-            return True
-        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
-    except Exception:  # a connection closing under us: count it as what it most likely was
-        return False
 
 
 CLOSE_S = 2.0  # a stopping (or restarting) host closes its connections within this

@@ -84,3 +84,37 @@ async def test_an_unspecified_address_is_never_dialed():
             await b.connect(target, timeout=10)  # on Linux it reached this machine
         assert a.connected_peers() == [] and b.connected_peers() == []
         nursery.cancel_scope.cancel()
+
+
+async def test_py_libp2ps_own_dials_follow_the_policy():
+    """py-libp2p's dial_peer (new_stream or host.connect to a peer with no connection)
+    dials whatever the peerstore holds, as identify and the DHT filled it from what peers
+    said: a learned unspecified address, or a loopback one on a node not on loopback,
+    reached this machine. Each is refused; an address the policy allows is still dialed."""
+    from libp2p.peer.peerinfo import PeerInfo
+
+    a = Substrate(create_new_key_pair(), ["/ip4/0.0.0.0/tcp/0"])
+    b = Substrate(create_new_key_pair(), ["/ip4/0.0.0.0/tcp/0"])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.serve)
+        await nursery.start(b.serve)
+        port = a.listen_ports()[0]
+        store = b.host.get_peerstore()
+        for bad in (f"/ip4/0.0.0.0/tcp/{port}", f"/ip4/127.0.0.1/tcp/{port}"):
+            store.clear_addrs(a.peer_id)
+            store.add_addrs(a.peer_id, [Multiaddr(bad)], 60)
+            before = b.stats.dials_refused
+            with pytest.raises(Exception), trio.fail_after(20):  # noqa: B017 py-libp2p's
+                await b.host.connect(PeerInfo(a.peer_id, []))  # error types vary
+            assert b.stats.dials_refused == before + 1, bad
+            assert a.connected_peers() == [] and b.connected_peers() == [], bad
+            # py-libp2p remembers a peer whose every address failed: forget it
+            b.host.get_network()._negative_peer_cache.clear()
+        # an address of this machine's interface, as a peer on our LAN would advertise
+        good = next(x for x in a.addrs() if "/127." not in x).split("/p2p/")[0]
+        store.clear_addrs(a.peer_id)
+        store.add_addrs(a.peer_id, [Multiaddr(good)], 60)
+        with trio.fail_after(20):
+            await b.host.connect(PeerInfo(a.peer_id, []))
+        assert b.connected_peers() == [a.peer_id]
+        nursery.cancel_scope.cancel()

@@ -255,3 +255,36 @@ async def test_a_host_that_stops_closes_its_connections_so_peers_stop_counting_t
             await await_until(lambda: not relay.gate.budget.conns_by_ip, 10,
                               "the relay to release the stopped host's connection")
         nursery.cancel_scope.cancel()
+
+
+async def test_relayed_connections_are_not_counted_on_the_relays_ip():
+    """A private node's relayed connections arrive from the relay's IP: counted there, the
+    peers a relay brings took the relay's own per-IP budget and, past it, the node closed
+    their circuits. With a budget of 2 per IP, the relay link and three relayed peers."""
+    from node.reach.relays import RelayService
+    from tests.conftest import node_context
+    from tests.test_relay import ECHO, _echo, _send
+
+    r = Substrate(create_new_key_pair(), [LOOPBACK])
+    a = Substrate(create_new_key_pair(), [LOOPBACK],
+                  gate=Gate(BudgetLimits(conns_per_ip=2, conns_per_subnet=100)))
+    rs = RelayService(lambda: "public", want=1, tick_s=0.2, direct=False)
+    as_ = RelayService(lambda: "private", want=1, tick_s=0.2, retry_s=600, direct=False)
+    peers = [Substrate(create_new_key_pair(), [LOOPBACK]) for _ in range(3)]
+    async with trio.open_nursery() as nursery:
+        for sub in (r, a, *peers):
+            await nursery.start(sub.serve)
+        await nursery.start(rs.run, node_context(substrate=r))
+        await nursery.start(as_.run, node_context(substrate=a))
+        a.set_handler(ECHO, _echo)
+        await a.connect(r.addrs()[0])
+        await await_until(lambda: r.peer_id.to_base58() in as_.held, 30, "the reservation")
+        relayed = next(x for x in a.addrs() if "/p2p-circuit" in x)
+        for p in peers:
+            await p.connect(relayed, timeout=30)
+        for p in peers:
+            assert await _send(p, a.peer_id, b"x" * 100) == b"x" * 100
+            assert len(a.host.get_network().get_connections(p.peer_id)) == 1
+        assert dict(a.gate.budget.conns_by_ip) == {"127.0.0.1": 1}  # the relay link only
+        assert "conns_per_ip" not in a.gate.budget.refused
+        nursery.cancel_scope.cancel()
