@@ -9,7 +9,7 @@ closes the whole connection with all its streams. Any writer on a busy connectio
 do this; the relay does it routinely, cancelling a circuit's other direction when one
 ends, and a private node lost its relay link (and its reservation) when several of its
 duplicate relayed connections ended together, about 1 in 8 namespace runs of
-tests/test_relay_duplicate_nat.py (docs/nat.md). We found no upstream issue for it.
+tests/swarm/test_relay_duplicate_nat.py (docs/nat.md). We found no upstream issue for it.
 
 `install()` replaces `Yamux._write_frame` (py-libp2p's muxer negotiation builds `Yamux`
 itself, whatever class the host's muxer options name). The new one waits for the lock as

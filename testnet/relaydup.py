@@ -1,5 +1,5 @@
 """Duplicate relayed connections behind real NATs (issue 26, item 6): one process of the
-scenario, run inside its namespace by tests/test_relay_duplicate_nat.py.
+scenario, run inside its namespace by tests/swarm/test_relay_duplicate_nat.py.
 
     python -m testnet.relaydup relay DIR LISTEN
     python -m testnet.relaydup peer  DIR LISTEN NAME OTHER ROUNDS

@@ -374,7 +374,8 @@ def testnet_factory(tmp_path: Path) -> Iterator[Callable[..., launcher.Testnet]]
 
 # Files that build network namespaces: never two at once (one kernel, one set of names).
 NETNS_FILES = {"test_partition.py", "test_nat.py", "test_join_mdns.py",
-               "test_bench_join_pull_partition.py", "test_nat_punch.py", "test_webrtc_nat.py"}
+               "test_bench_join_pull_partition.py", "test_nat_punch.py", "test_webrtc_nat.py",
+               "test_reach_netns.py", "test_relay_duplicate_nat.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks

@@ -11,7 +11,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p.host import Substrate
-from tests.test_relay import ECHO, _echo, _send
+from tests.node.reach.test_relay import ECHO, _echo, _send
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

@@ -11,7 +11,7 @@ dial after py-libp2p's grace period, when both swarms trim the duplicates and th
 ends their circuits together: it cancelled a circuit's other direction in the middle of
 a Yamux frame write on the relay link, the frame's Noise nonce was spent but the frame
 not sent, and the peer behind it failed to decrypt the next message and closed the link
-(p2p/muxer.py; tests/test_muxer.py is the deterministic form). The loopback form of
+(p2p/muxer.py; tests/p2p/test_muxer.py is the deterministic form). The loopback form of
 this scenario is tests/test_relay_duplicate.py. Needs root and nftables; skipped with
 the reason otherwise. One process per namespace (testnet/relaydup.py)."""
 
