@@ -263,7 +263,7 @@ async def test_relayed_connections_are_not_counted_on_the_relays_ip():
     their circuits. With a budget of 2 per IP, the relay link and three relayed peers."""
     from node.reach.relays import RelayService
     from tests.conftest import node_context
-    from tests.test_relay import ECHO, _echo, _send
+    from tests.node.reach.test_relay import ECHO, _echo, _send
 
     r = Substrate(create_new_key_pair(), [LOOPBACK])
     a = Substrate(create_new_key_pair(), [LOOPBACK],
