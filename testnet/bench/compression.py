@@ -42,7 +42,7 @@ from node.ml.optim.compress import CompressedDiLoCo, CompressedNoLoCo, TopKConfi
 from node.ml.trainer import TaskConfig, TrainConfig, Trainer, TrainingDiverged, build_task
 from node.ml.trainer.tasks import Task
 from protocols import codecs, sparse
-from testnet.bench.convergence import DILOCO, NOLOCO, replica_spread
+from testnet.bench.convergence import DILOCO, NOLOCO, Evaluator, replica_spread
 from testnet.bench.report import DOC, machine, md_table, print_tables, pyplot, write_section
 
 METHODS = ("noloco", "noloco-topk", "diloco", "diloco-topk", "none")
@@ -108,25 +108,6 @@ def _train_config(cfg: BenchConfig, replica: int) -> TrainConfig:
     return TrainConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.steps,
                        batch_size=cfg.batch, eval_every=0, device="cpu", threads=1,
                        seed=cfg.seed, replica=replica)
-
-
-class Evaluator:
-    """Scores weight vectors on the same fixed validation batches."""
-
-    def __init__(self, task: Task, cfg: BenchConfig) -> None:
-        self.trainer = Trainer(task, TrainConfig(batch_size=cfg.eval_batch,
-                                                 eval_batches=cfg.eval_batches, eval_every=0,
-                                                 device="cpu", threads=1, seed=cfg.seed))
-
-    def losses(self, vectors: list[torch.Tensor]) -> list[float]:
-        if all(torch.equal(v, vectors[0]) for v in vectors[1:]):
-            self.trainer.set_parameters_vector(vectors[0])
-            return [self.trainer.evaluate()] * len(vectors)
-        out = []
-        for v in vectors:
-            self.trainer.set_parameters_vector(v)
-            out.append(self.trainer.evaluate())
-        return out
 
 
 def _bf16(v: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from rich.console import Console
@@ -156,10 +157,17 @@ def _train_config(cfg: BenchConfig, batch: int, replica: int) -> TrainConfig:
     )
 
 
-class Evaluator:
-    """Scores any weight vector on the same fixed validation batches."""
+class _EvalSettings(Protocol):
+    eval_batch: int
+    eval_batches: int
+    seed: int
 
-    def __init__(self, task: Task, cfg: BenchConfig) -> None:
+
+class Evaluator:
+    """Scores any weight vector on the same fixed validation batches (this bench's and
+    testnet/bench/compression.py's)."""
+
+    def __init__(self, task: Task, cfg: _EvalSettings) -> None:
         config = TrainConfig(
             batch_size=cfg.eval_batch,
             eval_batches=cfg.eval_batches,
