@@ -182,15 +182,37 @@ def reach(quick: Quick = False,
 def wan(quick: Quick = False,
         rate: Annotated[str, typer.Option(help="Every WAN link's rate, both ways.")] = "100mbit",
         rtt: Annotated[float, typer.Option(help="Round-trip time added between any two "
-                                           "nodes, in ms.")] = 50.0) -> None:
+                                           "nodes, in ms.")] = 50.0,
+        gpu: Annotated[bool, typer.Option(
+            "--gpu", help="The 86M model at an H100's step time (a timed stand-in "
+            "trainer): NoLoCo and DiLoCo, bf16 and compressed.")] = False,
+        step_ms: Annotated[float, typer.Option(help="--gpu: ms per inner step.")] = 35.8,
+        compressed: Annotated[str | None, typer.Option(
+            help="--gpu: the compressed codec (default: one protocols/codecs.py knows).",
+            show_default=False)] = None,
+        seconds: Annotated[int, typer.Option(help="--gpu: seconds per case.")] = 150,
+        scale: Annotated[int, typer.Option(
+            help="--gpu: divide the vector and every link's rate by this (same seconds "
+                 "per exchange, less CPU and memory).")] = 1,
+        only: Annotated[str | None, typer.Option(
+            help="--gpu: one case (noloco, diloco, or e.g. noloco-bf16).",
+            show_default=False)] = None) -> None:
     """NoLoCo and DiLoCo, each run across shaped WAN links: utilization, bytes per outer
     step, time to a validation loss (root: namespaces)."""
     from cli.common import fail
     from testnet.bench import wan as bench
 
     try:
-        bench.main(quick=quick, rate=rate, rtt_ms=rtt)
+        if gpu:
+            from testnet.bench import wan_gpu
+
+            wan_gpu.main(step_ms=step_ms, seconds=seconds, rate=rate, rtt_ms=rtt,
+                         compressed=compressed, only=only, scale=scale)
+        else:
+            bench.main(quick=quick, rate=rate, rtt_ms=rtt)
     except bench.BenchUnavailable as e:
+        raise fail(str(e), 2) from None
+    except ValueError as e:
         raise fail(str(e), 2) from None
 
 

@@ -81,9 +81,17 @@ def prepare_trainer(ctx: NodeContext, rundoc: RunDocSync) -> TrainerPrep:
         publish=rundoc.publish, synced=rundoc.first_sync, still_loading=preload.pending,
         members_heard=lambda: any(p != ctx.peer_id for p in ctx.membership.live_nodes()),
         vet=CheckpointVet(ctx, lambda: prebuilt[0].result()))
-    prebuilt.append(Prebuild(lambda: build_training(
-        manifest, ctx.peer_id, resolve_device_name(config.device), config.data,
-        attack=config.attack), hold=lambda: checkpoints.downloading))
+
+    def build() -> Any:
+        # testnets only: a stand-in at a measured device's step time (node/training/timed.py)
+        from node.training.timed import build_timed, from_env
+
+        if (stand_in := from_env()) is not None:
+            return build_timed(manifest, ctx.peer_id, *stand_in)
+        return build_training(manifest, ctx.peer_id, resolve_device_name(config.device),
+                              config.data, attack=config.attack)
+
+    prebuilt.append(Prebuild(build, hold=lambda: checkpoints.downloading))
     return TrainerPrep(checkpoints, prebuilt[0])
 
 
@@ -134,7 +142,8 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
         if averager else None,
         checkpoint_every=m.checkpoint.every_steps, on_snapshot=prep.checkpoints.save,
         poison_steps=POISON_ROUNDS * m.outer.inner_steps if config.attack else None,
-        stats=run.progress))
+        stats=run.progress,
+        expected_exchange_s=averager.expected_exchange_s if averager else None))
     return services
 
 

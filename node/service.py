@@ -119,7 +119,9 @@ class NodeContext:
             # (node/ml/recovery/sources.py).
             stats.update(step=p.step, loss=p.loss, val=p.val_loss, stage=self.run.stage,
                          gnorm=p.grad_norm,  # CheckFree weighs a lost stage's neighbours by it
-                         trained=p.trained)
+                         trained=p.trained,
+                         # base rounds per exchange this node wants (node/training/service.py)
+                         span=p.span_wanted if p.span_wanted > 1 else None)
             # When written (our wall clock): gossip can deliver it late; the median over
             # the peers also tells each node how far its own clock is off the swarm's.
             stats["t"] = round(time.time(), 1)

@@ -46,6 +46,25 @@ MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter t
 HANDSHAKE_RTTS = 6  # round trips before the first vector byte, with margin (deadline)
 ALLREDUCE_STEPS = 64  # DiLoCo: step k of round r's all-reduce is exchange round r * 64 + k
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
+# Before the first exchange is measured, its seconds are estimated at this wire rate (both
+# directions together): a 100 Mbit/s home link, full duplex. The training service sizes its
+# first span with it (node/training/service.py, "Spans"); measurements replace it.
+PRIOR_WIRE_BYTES_PER_S = 25e6
+# Benchmarks that scale the model and the link alike (`node bench wan --gpu --scale S`) scale
+# this prior too, or their first exchanges would be S times too optimistic.
+PRIOR_ENV = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S"
+
+
+def prior_wire_rate() -> float:
+    """PRIOR_WIRE_BYTES_PER_S, or the environment's value if it is a positive number."""
+    import os
+
+    raw = os.environ.get(PRIOR_ENV, "")
+    try:
+        value = float(raw) if raw else PRIOR_WIRE_BYTES_PER_S
+    except ValueError:
+        value = PRIOR_WIRE_BYTES_PER_S
+    return value if value > 0 else PRIOR_WIRE_BYTES_PER_S
 
 
 @dataclass
@@ -63,6 +82,15 @@ class PartnerStats:
     wire_bytes_per_s: float | None = None
     last_codec: str | None = None
     kept_off_relay: int = 0  # rounds skipped: the payload was over network.relay_exchange_mb
+
+
+@dataclass
+class _Progress:
+    """One swap under way: when it began, its size each way, what has arrived."""
+
+    started: float
+    total: int  # our payload's bytes: the partner's is the same codec and size
+    received: int = 0
 
 
 @dataclass
@@ -111,6 +139,10 @@ class Averager:
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
         self.partners: dict[str, PartnerStats] = {}
         self.exchange_seconds = Timings()  # successful exchanges, start to vector received
+        self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
+        self._exchange_s_bound = False  # _exchange_s is only a bound from timeouts so far
+        self.prior_wire_rate = prior_wire_rate()
+        self._progress: dict[tuple[int, str], _Progress] = {}  # (round, partner) -> swap
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -230,11 +262,51 @@ class Averager:
         """Expected transfer (4x margin), the handshake's round trips (opening the stream,
         offer and accept, the lane's dial: HANDSHAKE_RTTS of the partner's measured RTT),
         plus the skew a partner may have at the boundary."""
-        rate = self.partners.get(partner, PartnerStats()).bytes_per_s
+        st = self.partners.get(partner)
+        rate = (st or PartnerStats()).bytes_per_s
         transfer = 2 * numel * 4 / max(rate, 1e5)
+        if st is None or not st.exchanges:
+            # a partner never measured: at least what our own exchanges took (or the prior
+            # wire rate's estimate): each new partner's first exchange timed out on a link
+            # slower than the LAN prior, a local round each (`node bench wan --gpu`)
+            transfer = max(transfer, self.expected_exchange_s(numel))
         skew = 0.5 * self.inner_steps * self.step_time()
         rtt = self.transports.rtt_s(partner) or 0.0
         return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
+
+    def expected_exchange_s(self, numel: int) -> float:
+        """Seconds one exchange of `numel` values takes: the EWMA of those measured, or
+        before the first, the codec's payload both ways at PRIOR_WIRE_BYTES_PER_S."""
+        if self._exchange_s is not None:
+            return self._exchange_s
+        codec = "bf16" if self.auto_codec else self.codecs[0]
+        return 2 * _codecs.max_encoded_size(codec, numel) / self.prior_wire_rate
+
+    def _too_slow(self, partner: str, limit: float, numel: int,
+                  progress: _Progress | None = None) -> None:
+        """An exchange ran out of its deadline. Where the partner's vector was arriving, it
+        takes at least `limit` plus what the rest would have taken at the rate seen.
+        Without this, a prior rate above the link's kept every deadline (and the span sized
+        from the expected seconds) too short for any exchange to finish and be measured: at
+        6 Mbit/s, 32 rounds local in a row (`node bench wan --gpu`). So the expected seconds
+        become that estimate, and the partner's rate estimate at most half what it was (the
+        next deadline at least doubles)."""
+        st = self.partners.setdefault(partner, PartnerStats())
+        if progress is None or progress.received == 0:
+            # Nothing arrived: the partner never came (views of the round or the span that
+            # differ, a late trainer), which says nothing of the link: a longer deadline
+            # next time, the expected seconds left alone (taken as slowness, they grew the
+            # span to 64 rounds).
+            st.bytes_per_s /= 2
+            return
+        seconds = time.monotonic() - progress.started
+        left = max(0, progress.total - progress.received)
+        # at most twice the deadline: early bytes are slow (TCP's slow start, other swaps
+        # still on the link)
+        expected = min(2 * limit, limit + left * seconds / progress.received)
+        st.bytes_per_s = min(st.bytes_per_s / 2, 2 * numel * 4 / expected)
+        self._exchange_s = max(self._exchange_s or 0.0, expected)
+        self._exchange_s_bound = True
 
     def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
         st = self.partners.setdefault(partner, PartnerStats())
@@ -244,6 +316,10 @@ class Averager:
             st.exchanges += 1
             st.last_exchange_unix, st.last_seconds = time.time(), round(seconds, 3)
             self.exchange_seconds.observe(seconds)
+            # the first measurement replaces a bound left by exchanges that ran out of time
+            self._exchange_s = seconds if self._exchange_s is None or self._exchange_s_bound \
+                else 0.7 * self._exchange_s + 0.3 * seconds
+            self._exchange_s_bound = False
         elif not ok:
             st.failures += 1
 
@@ -330,9 +406,11 @@ class Averager:
             if theta is None:
                 raise RemoteProtocolError("partner did not complete the exchange")
             results[partner] = theta
+            self._progress.pop((r, partner), None)
             self._record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
         except trio.TooSlowError:
             self._record(partner, 0, 0, ok=False)
+            self._too_slow(partner, limit, numel, self._progress.pop((r, partner), None))
             log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
         except Exception as e:
             self._record(partner, 0, 0, ok=False)
@@ -353,7 +431,7 @@ class Averager:
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
             if event.lane is None:
-                return await self._swap(stream, ex, snapshot, partner, _path(stream))
+                return await self._swap(stream, ex, snapshot, partner, _path(stream), r)
             # Failed until it connects: a round deadline that cancels the dial must leave
             # the mark too, or every round would try the same unreachable lane again.
             self.lane_failed[partner] = time.monotonic()
@@ -365,7 +443,7 @@ class Averager:
                                           f"stream for {LANE_RETRY_S:.0f} s") from e
             del self.lane_failed[partner]
             try:
-                return await self._swap(lane, ex, snapshot, partner, "lane")
+                return await self._swap(lane, ex, snapshot, partner, "lane", r)
             finally:
                 await close_quietly(lane)
         finally:
@@ -431,7 +509,7 @@ class Averager:
                     and self.transports.lane_dialable()):
                 await stream.write(ex.accept(codec))
                 slot.inbound[peer] = await self._swap(stream, ex, slot.snapshot, peer,
-                                                      _path(stream))
+                                                      _path(stream), r)
                 return
             listener = LaneListener(self.lane_host)
             try:
@@ -439,7 +517,8 @@ class Averager:
                 await stream.write(ex.accept(codec, av.Lane(av.LANE_TCP, port, listener.key)))
                 lane = await listener.accept(timeout=5.0)
                 try:
-                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane")
+                    slot.inbound[peer] = await self._swap(lane, ex, slot.snapshot, peer, "lane",
+                                                          r)
                 finally:
                     await close_quietly(lane)
             finally:
@@ -450,12 +529,17 @@ class Averager:
     # -- both sides -----------------------------------------------------------------
 
     async def _swap(self, stream: ByteStream, ex: av.Exchange, snapshot: Any, partner: str,
-                    path: str) -> Any:
+                    path: str, r: int) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         started = time.monotonic()
         chunks = ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
         received = 0
+        # What arrived so far, for an exchange that runs out of its deadline (_too_slow)
+        progress = _Progress(started, sent)
+        self._progress[(r, partner)] = progress
+        while len(self._progress) > 4 * MAX_IN_FLIGHT * max(1, self.group_size):
+            del self._progress[next(iter(self._progress))]  # bounded: oldest first
 
         async def send() -> None:
             await write_chunks(stream, chunks)
@@ -468,6 +552,7 @@ class Averager:
                     break
                 if isinstance(event, av.ChunkReceived):
                     received += event.nbytes
+                    progress.received = received
         self._count(partner, path, sent, received)
         st = self.partners[partner]
         seconds = time.monotonic() - started

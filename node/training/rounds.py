@@ -66,6 +66,14 @@ class TrainingStats:
     aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
     grad_norm: float | None = None  # pipeline stages: the last step's, after clipping
     sync_wait_s: float = 0.0  # DiLoCo: seconds the trainer waited for all-reduces
+    # Base rounds per exchange (node/training/service.py, "Spans"): what this node's own
+    # measurements call for (`span_wanted`, sent in heartbeats) and what it uses (`span`,
+    # the largest any live peer wants).
+    span: int = 1
+    span_wanted: int = 1
+    # Seconds the trainer thread spent on outer steps and boundary snapshots (whole-model
+    # vector work: on a GPU node it runs on the device; a CPU stand-in pays it on the CPU).
+    outer_s: float = 0.0
 
     def step_time(self) -> float:
         """Measured seconds per inner step (a prior of 0.2 s before the first step)."""
@@ -77,3 +85,36 @@ class TrainingStats:
         doc["wall_s"] = round(wall, 1)
         doc["compute_fraction"] = round(min(1.0, self.compute_s / wall), 3)
         return doc
+
+
+MAX_SPAN = 64  # base rounds one exchange may span (H = 50: 3,200 steps between outer steps)
+SPAN_SHARE = 0.75  # an exchange should take at most this share of its span (skew, jitter)
+SPAN_SHRINK = 0.8  # ... and this much less again before the span shrinks (hysteresis)
+
+
+def span_for(exchange_s: float, round_s: float, current: int = 1,
+             share: float = SPAN_SHARE, most: int = MAX_SPAN) -> int:
+    """How many base rounds (H inner steps each) one exchange should span: the smallest
+    power of two k with `exchange_s` <= `share` * k * `round_s`, at most `most`.
+
+    A power of two so that peers whose estimates differ still meet: exchange boundaries are
+    the rounds r with r % k == 0, and those of 2k are among them. It shrinks from `current`
+    only when the smaller span holds the exchange with SPAN_SHRINK to spare (hysteresis: an
+    estimate hovering at a border must not flip the swarm's span every heartbeat; at half,
+    one slow exchange kept a swarm at twice the span it needed: `node bench wan --gpu`)."""
+    if not (exchange_s >= 0 and round_s > 0):
+        raise ValueError(f"need exchange_s >= 0 and round_s > 0, got {exchange_s}, {round_s}")
+    k = 1
+    while k < most and exchange_s > share * k * round_s:
+        k *= 2
+    if k < current and exchange_s > SPAN_SHRINK * share * k * round_s:
+        k = min(current, 2 * k)  # not yet clearly below: shrink by one step at most
+    return k
+
+
+def swarm_span(own: int, reported: list[object], most: int = MAX_SPAN) -> int:
+    """The span this node uses: the largest wanted by itself or any live peer (their
+    heartbeats' `span`); a value that is not a power of two in [1, most] is ignored."""
+    valid = [s for s in reported
+             if type(s) is int and 1 <= s <= most and s & (s - 1) == 0]
+    return max([own, *valid])

@@ -30,6 +30,16 @@ moves its live weights to φ plus the local progress made since the snapshot:
 θ ← φ + (θ_now − θ_r). If the outcome is still missing when round r+1 ends, round r is
 closed with a local outer step (the group is just us): a slow or dead partner delays
 nothing. The trainer never waits on the network.
+
+Spans: rounds that never wait. When one exchange takes longer than a round (an 86M model
+in bf16 is 172 MB each way, about 14 s at 100 Mbit/s, while 50 steps of an H100 take 1.8 s),
+an exchange spans k base rounds: only the boundaries r with r % k == 0 start one, and its
+outcome may land at any inner step before the next of them (node/ml/optim/overlap.py
+applies it with the progress made meanwhile). k follows the measured step time and the
+exchange's measured (or, before the first, estimated) seconds (`rounds.span_for`): a
+power of two, the largest any live peer wants (heartbeats carry `span`), so that peers
+agree on which rounds exchange. An outer step then covers k·H inner steps; rounds
+averaged and local count outer steps. DiLoCo's synchronous baseline keeps k = 1: it waits.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ import trio
 from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
 from node.process.priority import lower_session_priority, lower_thread_priority
-from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats
+from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats, span_for, swarm_span
 from node.training.state import checkpoint_tensors
 
 if TYPE_CHECKING:
@@ -89,7 +99,9 @@ class TrainingService:
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
                  max_steps: int | None = None, checkpoint_every: int = 0,
                  on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None,
-                 poison_steps: int | None = None, stats: TrainingStats | None = None) -> None:
+                 poison_steps: int | None = None, stats: TrainingStats | None = None,
+                 span: int = 1,
+                 expected_exchange_s: Callable[[int], float | None] | None = None) -> None:
         # build() runs in the trainer thread: -> (trainer, outer optimizer or None, H).
         # No outer optimizer: the no-communication baseline, plain local training.
         self._build = build
@@ -112,6 +124,13 @@ class TrainingService:
         # A partner's trained steps as its heartbeats report them (None: not known); set
         # from the membership view when run as a service.
         self._trained_of: Callable[[str], int | None] = lambda peer: None
+        # Base rounds per exchange ("Spans" above), read by the trainer thread at each
+        # boundary. Fixed (tests), or, run as a service with `expected_exchange_s` (the
+        # averager's estimate of one exchange's seconds for a model of n values), set from
+        # measurements and the swarm's heartbeats.
+        self.span = span
+        self._expected_exchange_s = expected_exchange_s
+        self._inner_steps: int | None = None  # H, once built
 
     def statistics(self) -> dict[str, Any]:
         return self.stats.snapshot()
@@ -140,7 +159,22 @@ class TrainingService:
     async def _follow_swarm(self, ctx: NodeContext) -> None:
         while True:
             self.swarm_step = max(self.swarm_step, ctx.membership.swarm_step())
+            self._follow_span(ctx)
             await trio.sleep(ctx.config.heartbeat_s / 2)
+
+    def _follow_span(self, ctx: NodeContext) -> None:
+        """The span this node wants (its step time, its exchange's seconds) and the one it
+        uses (the largest a live peer wants); only for an outer step that overlaps."""
+        st, h = self.stats, self._inner_steps
+        if (self._expected_exchange_s is None or h is None or not st.params
+                or getattr(self.outer, "synchronous", False) or self.outer is None):
+            return
+        expected = self._expected_exchange_s(st.params)
+        if expected is None:
+            return
+        st.span_wanted = span_for(expected, h * st.step_time(), st.span_wanted)
+        reported = [(e.info.get("stats") or {}).get("span") for e in ctx.membership.live()]
+        self.span = st.span = swarm_span(st.span_wanted, reported)
 
     async def _note_first_step(self, ctx: NodeContext) -> None:
         """The end of a join (docs/benchmarks.md): the trainer built (model, data, newest
@@ -223,6 +257,7 @@ class TrainingService:
             if getattr(getattr(trainer, "config", None), "threads", 0) != 1:
                 lower_thread_priority()  # before any step starts torch's worker threads
             self.outer = outer
+            self._inner_steps = inner_steps
             if self._run_ctx is not None:
                 self._run_ctx.outer = outer  # read by SybilWall's history gossip
             self._train(trainer, outer, inner_steps, post)
@@ -258,20 +293,26 @@ class TrainingService:
                 return
             if (outer is not None and self.poison_steps is None
                     and self.swarm_step >= st.step + inner_steps):
-                # Continue one step before the swarm's last boundary, so that the next step
-                # reaches it: partners that got there first wait for us a few seconds
-                # (Averager.deadline). Landing on the boundary itself skipped it, and a slow
-                # node that kept catching up met its partners in no round at all (the
-                # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges).
-                target = self.swarm_step // inner_steps * inner_steps - 1
+                # Continue one step before the swarm's last exchange boundary, so that the
+                # next step reaches it: partners that got there first wait for us a few
+                # seconds (Averager.deadline). Landing on the boundary itself skipped it, and
+                # a slow node that kept catching up met its partners in no round at all (the
+                # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges). Past
+                # that boundary already (inside a span): to the swarm's step.
+                span_len = inner_steps * self._span(outer)
+                target = self.swarm_step // span_len * span_len - 1
+                if target <= st.step:
+                    target = self.swarm_step - 1
                 # Only the clock jumps: the weights keep the steps they were trained
                 # (`trained`), and so do the checkpoints written from them.
                 log.info("step %d is behind the swarm (%d): the round clock continues from "
                          "step %d; the weights keep their %d trained steps",
                          st.step, self.swarm_step, target, st.trained)
-                for r in sorted(pending):
-                    self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
-                trainer.step_count = st.step = target
+                if target // span_len > st.step // span_len:  # an exchange boundary passed
+                    for r in sorted(pending):
+                        self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
+                        st.rounds_local += 1
+                trainer.step_count = st.step = max(st.step, target)
             t0 = time.perf_counter()
             s = trainer.step()
             if st.compute_s == 0:  # a one-thread trainer's first step, the join's last phase,
@@ -289,13 +330,18 @@ class TrainingService:
                 saved = s.step // self.checkpoint_every
                 post(Snapshot(s.step, checkpoint_tensors(trainer, outer), trained=st.trained,
                               parent=st.lineage))
-            if outer is not None and s.step % inner_steps == 0:
+            if (outer is not None and s.step % inner_steps == 0
+                    and s.step // inner_steps % self._span(outer) == 0):
                 # the clock starts before the post: the exchange may begin (and its
                 # all-reduce run) before this thread is back from handing the boundary over
                 posted = time.perf_counter()
                 self._post_boundary(s.step // inner_steps, trainer, outer, pending, post)
                 if getattr(outer, "synchronous", False):
                     self._wait_for(st.round, trainer, outer, pending, posted)
+
+    def _span(self, outer: Any) -> int:
+        """Base rounds per exchange now: 1 for a synchronous outer step (DiLoCo waits)."""
+        return 1 if getattr(outer, "synchronous", False) else max(1, int(self.span))
 
     def _send_as_is(self, trainer: Any, outer: Any, inner_steps: int,
                     pending: dict[int, Any], post: Callable[[Any], None]) -> None:
@@ -331,8 +377,10 @@ class TrainingService:
         for old in sorted(pending):
             self._outer_step(trainer, outer, pending.pop(old), Outcome(old, []))
             self.stats.rounds_local += 1
+        started = time.perf_counter()
         pending[r] = snapshot = trainer.parameters_vector()
         post(Boundary(r, snapshot.clone()))
+        self.stats.outer_s += time.perf_counter() - started
 
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
                   started: float) -> None:
@@ -374,12 +422,21 @@ class TrainingService:
         st.trained = max(st.trained, min(st.step, sum(group) // len(group)))
 
     def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
+        started = time.perf_counter()
+        try:
+            self._outer_step_timed(trainer, outer, snapshot, outcome)
+        finally:
+            self.stats.outer_s += time.perf_counter() - started
+
+    def _outer_step_timed(self, trainer: Any, outer: Any, snapshot: Any,
+                          outcome: Outcome) -> None:
         phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
                                round=outcome.round)
         if phi is None:  # the outer step keeps the model as it is (a testnet attacker)
             return
-        live = trainer.parameters_vector()
-        trainer.set_parameters_vector(phi + (live - snapshot))
+        from node.ml.optim.overlap import apply_late  # torch: imported once training runs
+
+        trainer.set_parameters_vector(apply_late(trainer.parameters_vector(), snapshot, phi))
         if hasattr(outer, "last_weights") and outcome.partner_thetas:
             self.stats.aggregation = {"round": outcome.round, "weights": outer.last_weights,
                                       "rejected": outer.last_rejected}

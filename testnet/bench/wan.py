@@ -2,6 +2,7 @@
 validation loss, each run for real in the same emulated internet.
 
     node bench wan [--quick] [--rate 100mbit] [--rtt 50]      (root: network namespaces)
+    node bench wan --gpu [--step-ms 35.8] [--compressed CODEC] [--seconds 150]
 
 Four public nodes and a bootstrap, each in its own network namespace; every WAN link is
 shaped to `--rate` both ways (tc tbf) and crosses the userspace delay line that adds
@@ -17,10 +18,19 @@ twice, once per algorithm:
 Every node's status is read every SAMPLE_S: steps, compute share, rounds averaged and
 local, bytes sent, the validation loss, each exchange's seconds, the time DiLoCo's
 trainers waited, and each partner's wire rate.
+
+`--gpu` (issue 29): the same emulated internet at GPU speed. The 86M-parameter model
+(d_model 768, 12 layers, 12 heads, context 1024, batch 16) with every trainer taking an
+H100's measured step time, stood in by node/training/timed.py (it sleeps the step time and
+moves a real-size vector by measured drift and noise), so utilization, rounds averaged and
+bytes per outer step are real, convergence is not (`node bench convergence`). Side by side:
+NoLoCo and DiLoCo, each in bf16 and in a compressed codec (`--compressed`; its rows say
+"pending compressed codec" until protocols/codecs.py and the manifest know one).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -83,6 +93,10 @@ class NodeRun:
     losses: list[tuple[float, float]] = field(default_factory=list)  # (seconds, val loss)
     last: dict[str, Any] = field(default_factory=dict)  # its last status
     exchange_s: list[float] = field(default_factory=list)  # mean seconds per exchange
+    codec: str = "bf16"
+    peak_rss_mb: float | None = None
+    # rounds closed locally before the first averaged one (a span still being learnt)
+    local_before_first: int | None = None
 
     def first_below(self, target: float) -> float | None:
         return next((t for t, loss in self.losses if loss <= target), None)
@@ -105,6 +119,8 @@ def _sample(net: launcher.Testnet, runs: dict[str, NodeRun], algorithm: str,
             continue
         run = runs.setdefault(p.name, NodeRun(p.name, algorithm))
         run.last = st
+        if run.local_before_first is None and t.get("rounds_averaged"):
+            run.local_before_first = t.get("rounds_local", 0)
         loss = t.get("val_loss")
         if isinstance(loss, float) and (not run.losses or run.losses[-1][1] != loss):
             run.losses.append((time.monotonic() - t0, loss))
@@ -116,28 +132,47 @@ def _exchange_seconds(st: dict[str, Any]) -> float | None:
 
 
 def run_algorithm(algorithm: str, sizes: dict[str, int], rate: str, rtt_ms: float,
-                  work: Path, console: Any) -> list[NodeRun]:
+                  work: Path, console: Any, manifest_text: str | None = None,
+                  label: str | None = None, loads: list[float] | None = None) -> list[NodeRun]:
     """One testnet of 4 nodes behind shaped links, training `algorithm` for the run's
-    seconds; what each node reported."""
-    manifest = work / f"wan-{algorithm}.toml"
-    manifest.write_text(MANIFEST.format(**sizes, outer=ALGORITHMS[algorithm]))
-    directory = work / f"tn-{algorithm}"
+    seconds; what each node reported. `loads` collects the 1-minute load average at each
+    sample; each node's peak RSS is read before the testnet goes down."""
+    label = label or algorithm
+    manifest = work / f"wan-{label}.toml"
+    manifest.write_text(manifest_text or MANIFEST.format(**sizes, outer=ALGORITHMS[algorithm]))
+    directory = work / f"tn-{label}"
     runs: dict[str, NodeRun] = {}
-    with console.status(f"{algorithm}: starting 4 nodes behind {rate} links with "
+    with console.status(f"{label}: starting 4 nodes behind {rate} links with "
                         f"{rtt_ms:g} ms RTT"):
         net = launcher.up(directory, 4, manifest=manifest, detached=True, netns=True,
                           rate=rate, rtt_ms=rtt_ms, timeout=240)
     try:
         t0 = time.monotonic()
-        with console.status(f"{algorithm}: training for {sizes['seconds']} s") as status:
+        with console.status(f"{label}: training for {sizes['seconds']} s") as status:
             while (elapsed := time.monotonic() - t0) < sizes["seconds"]:
                 _sample(net, runs, algorithm, t0)
-                status.update(f"{algorithm}: training, {elapsed:.0f} of {sizes['seconds']} s")
+                if loads is not None:
+                    loads.append(os.getloadavg()[0])
+                status.update(f"{label}: training, {elapsed:.0f} of {sizes['seconds']} s")
                 time.sleep(SAMPLE_S)  # the sampling period, not a synchronization
             _sample(net, runs, algorithm, t0)
+            for p in net.procs:
+                if p.name in runs:
+                    runs[p.name].peak_rss_mb = _peak_rss_mb(p.pid)
     finally:
         launcher.down(directory)
     return sorted(runs.values(), key=lambda r: r.name)
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory (VmHWM), None if it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def main(quick: bool = False, rate: str = "100mbit", rtt_ms: float = 50.0,

@@ -32,3 +32,33 @@ def test_the_target_is_the_loss_every_node_reached_and_the_report_reads_it():
     # DiLoCo: 2 swaps a round (25.6 MB), 1.4 s each, 3 s waited per outer step
     assert "| diloco | node1 | 800 | 85.0% | 16 | 0 | 25.6 | 1.40 | 3.00 | 20.0 | 2.400 | 40 |" \
         in text
+
+
+def test_the_gpu_case_reports_per_node_shares_and_marks_missing_codecs_pending():
+    from testnet.bench import wan_gpu
+
+    codec, why = wan_gpu.compressed_codec("no-such-codec")
+    assert codec is None and "no-such-codec" in why
+    assert wan_gpu.scaled_rate("100mbit", 8) == "12500kbit"
+    for bad in ("fast", "100mbps"):
+        try:
+            wan_gpu.scaled_rate(bad, 2)
+        except ValueError as e:
+            assert bad in str(e)
+        else:
+            raise AssertionError(bad)
+    r = wan.NodeRun("node1", codec="bf16")
+    r.peak_rss_mb = 1700.0
+    r.last = {"training": {"step": 4000, "wall_s": 150.0, "compute_s": 143.2,
+                           "compute_fraction": 0.955, "outer_s": 3.0, "rounds_averaged": 4,
+                           "rounds_local": 1, "span": 16, "bytes_sent": 5 * 172_000_000},
+              "averaging": {"exchange_seconds": {"sum": 60.0, "count": 4},
+                            "partners": {"x": {"wire_mb_per_s": 22.0}}}}
+    assert wan_gpu.row(r) == ["noloco", "bf16", "node1", "4000", "35.8", "95.5%", "2.0%",
+                              "4 / 1", "16", "172.0", "15.0", "0.0", "22.0", "1700"]
+    assert wan_gpu.row(r, scale=8)[9] == "1376.0 (172.00 measured)"
+    pending = wan.NodeRun("node2", codec=wan_gpu.PENDING)
+    text = wan_gpu.report([r, pending], 35.8, 150, "100mbit", 50.0, [3.0, 5.0],
+                          "protocols/codecs.py knows no compressed codec yet", scale=8)
+    assert f"| noloco | {wan_gpu.PENDING} | node2 |" in text
+    assert "load average 3.0-5.0" in text and "12500kbit" in text
