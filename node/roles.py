@@ -109,6 +109,7 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
     from node.averaging.service import Averager
     from node.training.build import POISON_ROUNDS, neighbours, resume_newest
     from node.training.service import TrainingService
+    from protocols import sparse
 
     assert prep is not None, "a data-parallel trainer is prepared at the join"
     services: list[Service] = []
@@ -127,7 +128,8 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
             fixed_neighbours=config.neighbours or None,
             after_round=history.after_round if history else None,
             transports=ctx.transports, all_reduce=m.outer.algorithm == "diloco",
-            relay_limit=int(m.network.relay_exchange_mb * 1e6))
+            relay_limit=int(m.network.relay_exchange_mb * 1e6),
+            topk_bounds=sparse.bounds_of(m.outer))
         services.append(averager)
     prebuilt = prep.prebuilt
 

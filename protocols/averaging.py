@@ -15,6 +15,19 @@ spec, with the measured codecs, is docs/averaging-protocol.md. Messages are wire
 Both directions use the offer's `chunk`. Chunking bounds what one frame may allocate and
 lets the receiver verify (size, NaN/Inf) as the vector arrives.
 
+Codec "topk" (protocols/sparse.py; a run whose manifest says `outer.codec = "topk"`) sends
+encoded sparse frames instead of a vector: a bundle of 1 (NoLoCo) to `max_bundle` (DiLoCo's
+all-gather) of them, each as tensor frames of uint8 bytes in the codec "topk":
+
+    "topk/i"    exactly sparse.HEADER_SIZE bytes: frame i's header
+    "topk/i/j"  piece j of the rest of frame i: min(4 * chunk, what is left) bytes
+
+The receiver checks frame i's header against the offer's numel and its run's bounds
+(`sparse.frame_size`) before it allocates the frame, and every piece's length on its tensor
+header before buffering it (pieces land in place); a whole frame is decoded and checked
+(indices in range, strictly increasing, finite scales: `sparse.decode`) when its last piece
+arrives. `received_frames()` returns the bundle, decoded.
+
 States (`Exchange.state`) and their transitions are the data in `TRANSITIONS`: a peer
 message with no entry for the current state is a RemoteProtocolError, a local call with
 none a LocalProtocolError. After a RemoteProtocolError the exchange is DEAD: every later
@@ -62,6 +75,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
 import torch
 
 from protocols import codecs as _codecs  # `codecs` is also an Exchange argument
+from protocols import sparse
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.limits import StreamLimits
 from protocols.wire import (
@@ -88,6 +102,8 @@ DEFAULT_MAX_FRAMES: Final = 1 << 16  # ~100 B of framing each: tiny chunks canno
 MAX_ENVELOPE_BYTES: Final = 64 << 10
 MAX_OFFERED: Final = 16  # codecs, or lanes, in one offer
 MAX_REASON: Final = 200  # characters of a reject's reason that are kept
+TOPK: Final = sparse.CODEC  # "topk": sparse frames, not a vector (module docstring)
+MAX_BUNDLE: Final = 1024  # topk frames in one direction of one exchange (DiLoCo's all-gather)
 
 #: The ceilings of one exchange's stream. An Exchange narrows them as it goes: no tensor
 #: before a codec is agreed or after the peer's avg.done, then only the agreed codec and at
@@ -96,7 +112,7 @@ LIMITS: Final = StreamLimits(
     PROTOCOL_ID,
     MAX_ENVELOPE_BYTES,
     max(_codecs.max_encoded_size(c, MAX_CHUNK_ELEMS) for c in _codecs.CODECS),
-    frozenset(_codecs.CODECS),
+    frozenset((*_codecs.CODECS, TOPK)),
     deadline_s=10.0,
     note="for the offer; the swap's is derived from the partner's measured rate",
 )
@@ -226,6 +242,8 @@ class Exchange:
         max_numel: int = DEFAULT_MAX_NUMEL,
         max_frames: int = DEFAULT_MAX_FRAMES,
         lanes: Sequence[str] = (),
+        topk_bounds: sparse.Bounds | None = None,
+        max_bundle: int = 1,
     ) -> None:
         if role not in ("initiator", "responder"):
             raise LocalProtocolError(f"role must be 'initiator' or 'responder', not {role!r}")
@@ -235,6 +253,7 @@ class Exchange:
             ("max_numel", max_numel, None),
             ("max_frames", max_frames, None),
             ("chunk_elems", chunk_elems, MAX_CHUNK_ELEMS),
+            ("max_bundle", max_bundle, MAX_BUNDLE),
         ):
             if not _int_in(value, 1, high):
                 raise LocalProtocolError(f"{name} must be an int in [1, {high}], not {value!r}")
@@ -249,10 +268,12 @@ class Exchange:
                 f"{numel} values in chunks of {chunk_elems} exceed max_frames={max_frames}"
             )
         codecs = tuple(codecs)
-        if not codecs or not all(c in _codecs.CODECS for c in codecs):
+        if not codecs or not all(c in _codecs.CODECS or c == TOPK for c in codecs):
             raise LocalProtocolError(
-                f"codecs must be a non-empty list of {list(_codecs.CODECS)}, not {list(codecs)}"
+                f"codecs must be a non-empty list of {[*_codecs.CODECS, TOPK]}, not {list(codecs)}"
             )
+        if TOPK in codecs and topk_bounds is None:
+            raise LocalProtocolError("the topk codec needs the run's bounds (topk_bounds)")
         self.role: Role = role
         self.run_id = run_id
         self.round = round
@@ -275,6 +296,15 @@ class Exchange:
         self._filled = 0
         self._sent = False
         self._error: RemoteProtocolError | None = None
+        # topk: the run's bounds, the most frames a bundle may hold, the frames decoded so
+        # far, and the one arriving (its bytes, how many are in)
+        self.topk_bounds = topk_bounds
+        self.max_bundle = max_bundle
+        self._topk: list[sparse.Frame] = []
+        self._topk_buf: bytearray | None = None
+        self._topk_in = 0
+        self._topk_piece = 0
+        self._topk_in_place = False
 
     # -- our side ---------------------------------------------------------------------------
 
@@ -297,7 +327,9 @@ class Exchange:
         """Agree on `codec` (one the offer lists, or "fp32"); allocates the receive buffer."""
         after = self._local("accept()")
         assert self.offer is not None
-        if codec not in _codecs.CODECS or (
+        if codec == TOPK and (TOPK not in self.codecs or TOPK not in self.offer.codecs):
+            raise LocalProtocolError("cannot accept topk: both sides must list it")
+        if (codec != TOPK and codec not in _codecs.CODECS) or (
             codec not in self.offer.codecs and codec != _codecs.FALLBACK
         ):
             raise LocalProtocolError(
@@ -349,6 +381,36 @@ class Exchange:
         self._sent = True
         return out
 
+    def send_frames(self, frames: Sequence[bytes]) -> list[bytes | memoryview]:
+        """A topk exchange's side: our encoded sparse frames (1 to max_bundle of them, each
+        `sparse.encode`'s bytes), then avg.done, as one gather list (call once)."""
+        self._local("send_vector()")
+        if self._sent:
+            raise LocalProtocolError("send_vector() was already called")
+        if self.codec != TOPK:
+            raise LocalProtocolError(f"send_frames() is for the topk codec, not {self.codec}")
+        if not 1 <= len(frames) <= MAX_BUNDLE:
+            raise LocalProtocolError(f"a bundle holds 1 to {MAX_BUNDLE} frames, not {len(frames)}")
+        piece = 4 * self.chunk
+        out: list[bytes | memoryview] = []
+        count = 0
+        for i, data in enumerate(frames):
+            view = memoryview(data).cast("B")
+            if len(view) <= sparse.HEADER_SIZE:
+                raise LocalProtocolError(f"topk frame {i} of {len(view)} bytes: not a frame")
+            parts = [(f"topk/{i}", view[: sparse.HEADER_SIZE])]
+            body = view[sparse.HEADER_SIZE :]
+            parts += [(f"topk/{i}/{j}", body[start : start + piece])
+                      for j, start in enumerate(range(0, len(body), piece))]
+            for name, payload in parts:
+                header = make_tensor_header(name, "uint8", (len(payload),), TOPK, payload,
+                                            crc32=self._crc32)
+                out.extend(encode_tensor_frame(header, payload, id=self._id()))
+                count += 1
+        out.append(self._envelope("avg.done", {"round": self.round, "frames": count}))
+        self._sent = True
+        return out
+
     # -- the peer's side --------------------------------------------------------------------
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -389,6 +451,12 @@ class Exchange:
             raise self._error from exc
         self.state = after
         return event
+
+    def received_frames(self) -> list[sparse.Frame]:
+        """The partner's topk bundle, decoded and checked, once PeerDone has been returned."""
+        if self.state is not State.DONE or self.codec != TOPK:
+            raise LocalProtocolError(f"the partner's topk frames are not complete ({self.state})")
+        return list(self._topk)
 
     def received_vector(self) -> torch.Tensor:
         """The partner's whole vector (fp32, writable), once PeerDone has been returned."""
@@ -483,6 +551,12 @@ class Exchange:
         receive vector (its decode is then only the NaN/Inf check)."""
         if self.state is not State.SWAPPING:
             return None  # no frame is expected: TRANSITIONS refuses it once it is complete
+        if self.codec == TOPK:
+            if self._topk_expect(header) == 0:
+                return None  # a frame's header: decoded from the decoder's buffer
+            assert self._topk_buf is not None
+            self._topk_in_place = True  # the piece lands in the frame: no copy in _on_topk
+            return memoryview(self._topk_buf)[self._topk_in : self._topk_in + header.length]
         count = self._expect(header)
         if self.codec != "fp32":
             return None  # decoded from the decoder's buffer into the vector
@@ -490,7 +564,50 @@ class Exchange:
         slot = self._received[self._filled : self._filled + count]
         return slot.numpy().data.cast("B")
 
+    def _topk_expect(self, header: TensorHeader) -> int:
+        """Check a topk tensor frame on its header: 0 for a frame's header (`topk/i`), else
+        the frame's byte offset where this piece (`topk/i/j`) goes."""
+        i, j = len(self._topk), self._topk_piece
+        if self._topk_buf is None:
+            if i >= self.max_bundle:
+                raise RemoteProtocolError(f"more than {self.max_bundle} topk frames")
+            name, length = f"topk/{i}", sparse.HEADER_SIZE
+        else:
+            name = f"topk/{i}/{j}"
+            length = min(4 * self.chunk, len(self._topk_buf) - self._topk_in)
+        if header.name != name:
+            raise RemoteProtocolError(f"expected {name!r}, got {header.name!r}")
+        if header.dtype != "uint8" or header.shape != (length,) or header.length != length:
+            raise RemoteProtocolError(f"{name}: {header.length} bytes of {header.dtype}"
+                                      f"{list(header.shape)}; {length} uint8 were expected")
+        return 0 if self._topk_buf is None else self._topk_in
+
+    def _on_topk(self, frame: TensorFrame) -> ChunkReceived:
+        assert self.numel is not None and self.topk_bounds is not None
+        header, index = frame.header, self._frames_in
+        if self._topk_expect(header) == 0 and self._topk_buf is None:
+            # a frame's header: its exact size from the header alone, checked against our
+            # numel and the run's bounds before the frame is allocated
+            size = sparse.frame_size(frame.payload, self.numel, self.topk_bounds)
+            self._topk_buf = bytearray(size)
+            self._topk_buf[: sparse.HEADER_SIZE] = frame.payload
+            self._topk_in, self._topk_piece = sparse.HEADER_SIZE, 0
+        else:  # a piece, received in place (_payload_buffer) or from the decoder's buffer
+            assert self._topk_buf is not None
+            end = self._topk_in + header.length
+            if not self._topk_in_place:
+                self._topk_buf[self._topk_in : end] = memoryview(frame.payload).cast("B")
+            self._topk_in_place = False
+            self._topk_in, self._topk_piece = end, self._topk_piece + 1
+        if self._topk_in == len(self._topk_buf):
+            self._topk.append(sparse.decode(self._topk_buf, self.numel, self.topk_bounds))
+            self._topk_buf = None
+        self._frames_in += 1
+        return ChunkReceived(index, _NO_VALUES, header.length)
+
     def _on_chunk(self, frame: TensorFrame) -> ChunkReceived:
+        if self.codec == TOPK:
+            return self._on_topk(frame)
         assert self._received is not None and self.numel is not None
         header, index = frame.header, self._frames_in
         count = self._expect(header)
@@ -507,6 +624,14 @@ class Exchange:
 
     def _on_done(self, body: dict) -> PeerDone:
         frames = body.get("frames")
+        if self.codec == TOPK:
+            if frames != self._frames_in or self._topk_buf is not None or not self._topk:
+                raise RemoteProtocolError(
+                    f"avg.done says {_short(frames)} frames; {self._frames_in} arrived"
+                    f" ({len(self._topk)} whole topk frames)"
+                )
+            self._decoder.max_tensor_bytes = 0
+            return PeerDone(self._frames_in)
         if frames != self._frames_in or self._filled != self.numel:
             raise RemoteProtocolError(
                 f"avg.done says {_short(frames)} frames; {self._frames_in} arrived"
@@ -520,9 +645,12 @@ class Exchange:
         self.codec = codec
         # From here on a frame must be in this codec and at most one chunk's worth.
         self._decoder.allowed_codecs = frozenset({codec})
-        self._decoder.max_tensor_bytes = _codecs.max_encoded_size(codec, self.chunk)
         self._decoder.payload_buffer = self._payload_buffer
-        self._received = torch.empty(self.numel, dtype=torch.float32)
+        if codec == TOPK:  # pieces of at most 4 * chunk bytes; frames allocated as they come
+            self._decoder.max_tensor_bytes = max(sparse.HEADER_SIZE, 4 * self.chunk)
+        else:
+            self._decoder.max_tensor_bytes = _codecs.max_encoded_size(codec, self.chunk)
+            self._received = torch.empty(self.numel, dtype=torch.float32)
         if lane is not None:  # every later byte rides the lane, where GCM authenticates it
             self._crc32 = False
             self._decoder.require_crc32 = False
@@ -547,6 +675,9 @@ class Exchange:
         return encode_envelope(
             Envelope(type_, self._id(), body), max_frame_bytes=MAX_ENVELOPE_BYTES
         )
+
+
+_NO_VALUES: Final = torch.empty(0)  # a topk ChunkReceived carries bytes, not values
 
 
 def _parse_lane(doc: Any, offered: tuple[str, ...]) -> Lane | None:

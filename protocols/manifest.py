@@ -222,8 +222,10 @@ class OuterSection(_Section):
     momentum: Annotated[Float, Field(ge=0, lt=1)] = 0.5
     nesterov: bool = False
     group_size: Annotated[int, Field(ge=2, le=1024)] = 2
-    # "auto": bf16, or int8 to a partner behind a relay or on a slow link (node/averaging/adapt.py)
-    codec: Literal["fp32", "bf16", "int8", "auto"] = "bf16"
+    # "auto": bf16, or int8 to a partner behind a relay or on a slow link (node/averaging/adapt.py);
+    # "topk": sparse error-fed frames of the pseudo-gradient (protocols/sparse.py), for
+    # outer.algorithm "noloco" or "diloco" only, within the topk_max_* bounds below
+    codec: Literal["fp32", "bf16", "int8", "auto", "topk"] = "bf16"
     # Bounds on a peer's "topk" frames (protocols/sparse.py): denser frames, or wider value
     # or anchor codes, are refused. Left out of the canonical bytes at their defaults.
     topk_max_density: Annotated[Float, Field(gt=0, le=1)] = TOPK_MAX_DENSITY
@@ -299,6 +301,17 @@ class Manifest(_Section):
                 f'aggregate.method = "{self.aggregate.method}" needs outer.algorithm = "gossip"'
                 f' (it is "{self.outer.algorithm}")'
             )
+        return self
+
+    @model_validator(mode="after")
+    def _topk_needs_an_outer_step(self) -> Manifest:
+        # topk frames carry a pseudo-gradient with error feedback: NoLoCo's or DiLoCo's
+        # outer step consumes them (node/ml/optim/compress.py); gossip learning and a
+        # pipeline's stage replicas average whole weights
+        if self.outer.codec == "topk" and (self.outer.algorithm not in ("noloco", "diloco")
+                                           or self.pipeline is not None):
+            raise ValueError('outer.codec = "topk" needs outer.algorithm = "noloco" or '
+                             '"diloco" and no [pipeline]')
         return self
 
     @model_validator(mode="after")

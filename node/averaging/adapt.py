@@ -21,6 +21,8 @@ def supported(codec: str) -> list[str]:
     """What a node of a run with this `outer.codec` accepts, in its order of preference."""
     if codec == AUTO:
         return list(_AUTO_SUPPORTED)
+    if codec == "topk":  # a topk run's trainer hands over frames only: no dense fallback
+        return [codec]
     return [codec] if codec == "fp32" else [codec, "fp32"]
 
 

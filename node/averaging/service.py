@@ -12,6 +12,13 @@ whom and when, and pumps a libp2p stream through it:
   time gives the slack for a partner that reaches the round boundary a little later.
 * A partner that is gone, slow, rejects, or sends anything invalid (wrong shape, NaN/Inf,
   unknown codec, truncated frame) costs one local outer step and a logged reason.
+* `outer.codec = "topk"`: the snapshot is a `Compressed` (the trainer's encoded sparse
+  frame), sent and received as the codec "topk" (protocols/averaging.py), and what comes
+  back are the partner's decoded frames. A partner that does not speak topk (an older
+  node: it answers with the dense fallback) is not averaged with: the round is local on
+  both sides (our trainer holds no dense θ to send, and its error feedback keeps what the
+  frame did not carry), logged once per partner. DiLoCo's all-reduce becomes an
+  all-gather of the frames along the same plan (`allreduce`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.averaging import adapt
-from node.training.rounds import Outcome
+from node.training.rounds import Compressed, Outcome
 from node.transport.lane import LaneListener, connect_lane, listen_host
 from node.transport.streams import ByteStream, close_quietly, pump, write_chunks
 from node.transport.transports import Transports
@@ -37,6 +44,7 @@ from p2p.host import Substrate
 from p2p.timing import Timings
 from protocols import averaging as av
 from protocols import codecs as _codecs
+from protocols import sparse
 from protocols.errors import RemoteProtocolError
 
 log = logging.getLogger("node.averaging")
@@ -117,7 +125,8 @@ class Averager:
                  after_round: Callable[[list[str]], Awaitable[None]] | None = None,
                  transports: Transports | None = None, auto_codec: bool = False,
                  all_reduce: bool = False,
-                 relay_limit: int | None = None) -> None:
+                 relay_limit: int | None = None,
+                 topk_bounds: sparse.Bounds | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -128,6 +137,10 @@ class Averager:
         self.me = me
         self.members = members
         self.codecs = codecs  # what we accept as responder, in our order of preference
+        # "topk" (a run with outer.codec = "topk"): frames are checked against these bounds
+        self.topk = av.TOPK in codecs
+        self.topk_bounds = topk_bounds if topk_bounds is not None else sparse.Bounds()
+        self._no_topk_logged: set[str] = set()  # partners whose dense fallback was logged
         # `outer.codec = "auto"` (adapt.py): as initiator, offer what the path calls for
         self.auto_codec = auto_codec
         self.group_size = group_size
@@ -240,7 +253,7 @@ class Averager:
             return None
         setting = adapt.AUTO if self.auto_codec else self.codecs[0]
         codec = adapt.offer(setting, numel, path=path, wire_rate=None, round_s=0.0)[0]
-        size = _codecs.max_encoded_size(codec, numel)
+        size = self._payload_bytes(codec, numel)
         if size <= self.relay_limit:
             return None
         return (f"reached only {path}: a {codec} exchange of {size / 1e6:.1f} MB is over "
@@ -280,7 +293,17 @@ class Averager:
         if self._exchange_s is not None:
             return self._exchange_s
         codec = "bf16" if self.auto_codec else self.codecs[0]
-        return 2 * _codecs.max_encoded_size(codec, numel) / self.prior_wire_rate
+        return 2 * self._payload_bytes(codec, numel) / self.prior_wire_rate
+
+    def _payload_bytes(self, codec: str, numel: int) -> int:
+        """One direction's bytes: the codec's size, or for topk the largest frame the run's
+        bounds admit in 4096-value chunks (compress.TopKConfig's chunk)."""
+        if codec != av.TOPK:
+            return _codecs.max_encoded_size(codec, numel)
+        b, chunk = self.topk_bounds, 4096
+        return sparse.encoded_size(numel, chunk, max(1, int(b.max_density * chunk)),
+                                   b.max_value_bits, b.max_anchor_bits if b.max_anchor_bits >= 2
+                                   else 0)
 
     def _too_slow(self, partner: str, limit: float, numel: int,
                   progress: _Progress | None = None) -> None:
@@ -354,8 +377,10 @@ class Averager:
         done = [p for p in partners if p in results]
         if done and self.after_round is not None and self._nursery is not None:
             self._nursery.start_soon(self.after_round, done)
-        return Outcome(r, [results[p] for p in done], partner=",".join(done) or None,
-                       peers=tuple(done))
+        # a topk swap brings the partner's bundle (a list of frames; one outside DiLoCo)
+        thetas = [t for p in done
+                  for t in (results[p] if isinstance(results[p], list) else [results[p]])]
+        return Outcome(r, thetas, partner=",".join(done) or None, peers=tuple(done))
 
     async def allreduce(self, r: int, snapshot: Any) -> Outcome:
         """DiLoCo's round r: the mean of every live worker's weights, from pairwise swaps
@@ -363,9 +388,12 @@ class Averager:
         A step that fails fails the round (an empty outcome: a local step); never raises."""
         from node.ml.optim import allreduce
 
-        steps = self._plans[r] = allreduce.plan(self.me, sorted({*self.members(), self.me}))
+        workers = sorted({*self.members(), self.me})
+        steps = self._plans[r] = allreduce.plan(self.me, workers)
         for old in [k for k in self._plans if k < r - 2]:
             del self._plans[old]
+        if isinstance(snapshot, Compressed):
+            return await self._allgather(r, snapshot, steps, len(workers))
         current, partners = snapshot, []
         for step in steps:
             outcome = await self.exchange(r * ALLREDUCE_STEPS + step.k, current)
@@ -379,6 +407,39 @@ class Averager:
         peers = tuple(dict.fromkeys(partners))
         return Outcome(r, [current] if steps else [], partner=",".join(peers) or None,
                        peers=peers)
+
+    async def _allgather(self, r: int, own: Compressed, steps: list[Any],
+                         workers: int) -> Outcome:
+        """DiLoCo with topk frames: a sum of sparse frames is no frame, so the all-reduce's
+        plan gathers every worker's frame instead. Where a step would average, the two
+        sides' bundles (disjoint blocks of workers) are joined; where it hands over or takes
+        back, one side's is kept. The outcome is every worker's frame, ours included, in
+        the order of their bytes, so that every worker sums them in the same order and
+        their φ stay bit-identical."""
+        held, partners = list(own.frames), []
+        for step in steps:
+            outcome = await self.exchange(r * ALLREDUCE_STEPS + step.k,
+                                          Compressed(tuple(held), own.size))
+            if not outcome.partner_thetas:
+                log.info("round %d: all-gather step %d with %s failed; local step", r, step.k,
+                         step.partner)
+                return Outcome(r, [])
+            theirs = [sparse.encode(f) for f in outcome.partner_thetas]
+            held = theirs if not step.mine else held + theirs if step.theirs else held
+            partners.append(step.partner)
+        if not steps:
+            return Outcome(r, [])
+        if len(held) != workers:  # a bundle short or long: not every worker's frame once
+            log.info("round %d: all-gather ended with %d frames for %d workers; local step",
+                     r, len(held), workers)
+            return Outcome(r, [])
+        try:
+            frames = [sparse.decode(b, own.size, self.topk_bounds) for b in sorted(held)]
+        except RemoteProtocolError as e:  # our own frame, or one the partner decoded
+            log.info("round %d: all-gather produced a bad frame (%s); local step", r, e)
+            return Outcome(r, [])
+        peers = tuple(dict.fromkeys(partners))
+        return Outcome(r, frames, partner=",".join(peers) or None, peers=peers)
 
     async def _with_partner(self, r: int, partner: str, snapshot: Any, numel: int,
                             results: dict[str, Any]) -> None:
@@ -414,7 +475,8 @@ class Averager:
             log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
         except Exception as e:
             self._record(partner, 0, 0, ok=False)
-            log.info("round %d: exchange with %s failed (%s); local step", r, partner, e)
+            log.info("round %d: exchange with %s failed (%s); local step", r, partner,
+                     _reason(e))
 
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
         stream = await self.transports.open_stream(ID.from_base58(partner), PROTOCOL_ID)
@@ -422,14 +484,17 @@ class Averager:
             # never a lane beside a data channel: it has no address to dial
             lanes = (av.LANE_TCP,) if self._lane_for(partner) and _path(stream) == "stream" \
                 else ()
-            ex = av.Exchange("initiator", self.run_id, r, int(snapshot.numel()),
-                             self._offer(partner, int(snapshot.numel())), lanes=lanes)
+            ex = self._new_exchange("initiator", r, int(snapshot.numel()),
+                                    self._offer(partner, int(snapshot.numel())), lanes)
             await stream.write(ex.initiate())
             event = await self._next(stream, ex)
             if isinstance(event, av.Rejected):
                 raise RemoteProtocolError(f"rejected: {event.reason}")
             if not isinstance(event, av.Accepted):
                 raise RemoteProtocolError(f"expected accept, got {type(event).__name__}")
+            if isinstance(snapshot, Compressed) and event.codec != av.TOPK:
+                self._no_topk(partner, event.codec)
+                raise RemoteProtocolError(f"partner answered {event.codec}, not topk")
             if event.lane is None:
                 return await self._swap(stream, ex, snapshot, partner, _path(stream), r)
             # Failed until it connects: a round deadline that cancels the dial must leave
@@ -449,6 +514,20 @@ class Averager:
         finally:
             await close_quietly(stream)
 
+    def _new_exchange(self, role: av.Role, r: int | None, numel: int | None,
+                      codecs: list[str], lanes: tuple[str, ...] = ()) -> av.Exchange:
+        return av.Exchange(role, self.run_id, r, numel, codecs, lanes=lanes,
+                           topk_bounds=self.topk_bounds if self.topk else None,
+                           max_bundle=av.MAX_BUNDLE if self.all_reduce else 1)
+
+    def _no_topk(self, partner: str, codec: str) -> None:
+        """A partner of a topk run that answers in a dense codec: a local round (we hold
+        only our frame), logged the first time."""
+        if partner not in self._no_topk_logged:
+            self._no_topk_logged.add(partner)
+            log.warning("partner %s does not speak the topk codec (it chose %s): rounds with "
+                        "it are local", partner, codec)
+
     def _offer(self, partner: str, numel: int) -> list[str]:
         if not self.auto_codec:
             return self.codecs
@@ -463,11 +542,14 @@ class Averager:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
             await self._respond(stream, peer)
+        except Exception as e:  # said here, then raised for the guard's score
+            log.info("exchange from %s failed: %s", peer, _reason(e))
+            raise
         finally:
             await close_quietly(stream)
 
     async def _respond(self, stream: INetStream, peer: str) -> None:
-        ex = av.Exchange("responder", self.run_id, None, None, self.codecs)
+        ex = self._new_exchange("responder", None, None, self.codecs)
         with trio.fail_after(10):
             offer = await self._next(stream, ex)
         if not isinstance(offer, av.OfferReceived):
@@ -504,7 +586,14 @@ class Averager:
                 await stream.write(ex.reject(f"model has {slot.snapshot.numel()} values here, "
                                              f"not {offer.numel}"))
                 return
-            codec = av.negotiate(offer.codecs, self.codecs)
+            # not sparse.negotiate: its log promises a dense rule, and a topk run's rule for
+            # a dense partner is a local round (module docstring), logged by _no_topk
+            codec = av.TOPK if self.topk and av.TOPK in offer.codecs \
+                else av.negotiate(offer.codecs, self.codecs)
+            if (codec == av.TOPK) != isinstance(slot.snapshot, Compressed):
+                self._no_topk(peer, codec)
+                await stream.write(ex.reject("this run exchanges topk frames"))
+                return
             if not (self.lanes and av.LANE_TCP in offer.lanes
                     and self.transports.lane_dialable()):
                 await stream.write(ex.accept(codec))
@@ -532,7 +621,8 @@ class Averager:
                     path: str, r: int) -> Any:
         """Send our vector while receiving theirs (full duplex), return theirs."""
         started = time.monotonic()
-        chunks = ex.send_vector(snapshot)
+        chunks = ex.send_frames(snapshot.frames) if isinstance(snapshot, Compressed) \
+            else ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
         received = 0
         # What arrived so far, for an exchange that runs out of its deadline (_too_slow)
@@ -561,10 +651,17 @@ class Averager:
             st.wire_bytes_per_s = rate if st.wire_bytes_per_s is None \
                 else 0.7 * st.wire_bytes_per_s + 0.3 * rate
         st.last_codec = ex.codec
-        return ex.received_vector()
+        return ex.received_frames() if ex.codec == av.TOPK else ex.received_vector()
 
     async def _next(self, stream: ByteStream, ex: av.Exchange) -> Any:
         return await pump(stream, ex.next_event, ex.receive_data, into=ex)
+
+
+def _reason(e: BaseException) -> str:
+    """What failed, for the log: the errors inside a nursery's exception group."""
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_reason(x) for x in e.exceptions)
+    return str(e) or type(e).__name__
 
 
 def _path(stream: Any) -> str:

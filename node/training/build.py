@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable
@@ -88,6 +89,8 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     check_swarm_algorithm(m, attack)
     if m.outer.algorithm == "gossip":
         return trainer, _gossip(m, trainer, peer_id, attack), m.outer.inner_steps
+    if m.outer.codec == "topk":
+        return trainer, topk_outer(m, trainer.parameters_vector()), m.outer.inner_steps
     if m.outer.algorithm == "diloco":  # the baseline: an all-reduce every round
         from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
@@ -97,6 +100,41 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
         outer = NoLoCo(trainer.parameters_vector(),
                        NoLoCoConfig(outer_lr=m.outer.outer_lr, momentum=m.outer.momentum))
     return trainer, outer, m.outer.inner_steps
+
+
+def topk_config(m: mf.Manifest) -> Any:
+    """The compression a topk run sends: compress.py's defaults (NoLoCo: TopKConfig();
+    DiLoCo: SparseLoCo's), narrowed to the manifest's topk_max_* bounds so that every peer
+    accepts our frames (k/chunk and the bit widths are what a receiver checks)."""
+    from node.ml.optim.compress import SPARSELOCO_TOPK, TopKConfig
+
+    base = SPARSELOCO_TOPK if m.outer.algorithm == "diloco" else TopKConfig()
+    o = m.outer
+    k = min(base.k, int(o.topk_max_density * base.chunk))
+    if k < 1:
+        raise TrainerSetupError(f"outer.topk_max_density = {o.topk_max_density:g} keeps no "
+                                f"value of a chunk of {base.chunk}: at least {1 / base.chunk:g}")
+    anchor = min(base.anchor_bits, o.topk_max_anchor_bits)
+    return dataclasses.replace(base, density=k / base.chunk,
+                               value_bits=min(base.value_bits, o.topk_max_bits),
+                               anchor_bits=anchor if anchor >= 2 else 0)
+
+
+def topk_outer(m: mf.Manifest, params: Any) -> Any:
+    """`outer.codec = "topk"`: CompressedNoLoCo or CompressedDiLoCo (the manifest's outer
+    lr and momentum), behind the service's outer-step interface (compress.SwarmTopK)."""
+    from node.ml.optim.compress import CompressedDiLoCo, CompressedNoLoCo, SwarmTopK
+
+    o, topk = m.outer, topk_config(m)
+    if o.algorithm == "diloco":
+        from node.ml.optim.diloco import DiLoCoConfig
+
+        return SwarmTopK(CompressedDiLoCo(params, DiLoCoConfig(
+            outer_lr=o.outer_lr, momentum=o.momentum, nesterov=o.nesterov), topk))
+    from node.ml.optim.noloco import NoLoCoConfig
+
+    return SwarmTopK(CompressedNoLoCo(
+        params, NoLoCoConfig(outer_lr=o.outer_lr, momentum=o.momentum), topk))
 
 
 def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any,

@@ -15,9 +15,24 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class Compressed:
+    """What a topk run's boundary hands the averager instead of θ_r: encoded "topk" frames
+    (protocols/sparse.py) of a model of `size` values: this peer's own frame, or in
+    DiLoCo's all-gather the frames gathered so far."""
+
+    frames: tuple[bytes, ...]
+    size: int
+
+    def numel(self) -> int:
+        """The model's values, as a dense snapshot's `numel()` says (the averager's offer)."""
+        return self.size
+
+
+@dataclass(frozen=True)
 class Outcome:
     round: int
-    partner_thetas: list[Any]  # flat fp32 vectors; empty = local outer step
+    # flat fp32 vectors (a topk run: decoded sparse.Frame objects); empty = local outer step
+    partner_thetas: list[Any]
     partner: str | None = None
     peers: tuple[str, ...] = ()  # who sent each of partner_thetas
     # the partners' trained steps (their heartbeats' `trained`), where known: what the

@@ -31,6 +31,13 @@ moves its live weights to φ plus the local progress made since the snapshot:
 closed with a local outer step (the group is just us): a slow or dead partner delays
 nothing. The trainer never waits on the network.
 
+Compressed exchange (`outer.codec = "topk"`). The boundary hands the averager the outer
+optimizer's frame (`prepare(θ_r, r)`: the error-fed top-k of the pseudo-gradient, encoded)
+instead of θ_r, and the outcome brings the partners' decoded frames; the outer step pairs
+them with the frame prepared for that round and is applied late exactly as above. Every
+older round is closed before the next frame is prepared, so the error feedback sees the
+rounds in order. A round without a partner frame is a local step on our own frame.
+
 Spans: rounds that never wait. When one exchange takes longer than a round (an 86M model
 in bf16 is 172 MB each way, about 14 s at 100 Mbit/s, while 50 steps of an H100 take 1.8 s),
 an exchange spans k base rounds: only the boundaries r with r % k == 0 start one, and its
@@ -59,7 +66,15 @@ import trio
 from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
 from node.process.priority import lower_session_priority, lower_thread_priority
-from node.training.rounds import Boundary, Outcome, Snapshot, TrainingStats, span_for, swarm_span
+from node.training.rounds import (
+    Boundary,
+    Compressed,
+    Outcome,
+    Snapshot,
+    TrainingStats,
+    span_for,
+    swarm_span,
+)
 from node.training.state import checkpoint_tensors
 
 if TYPE_CHECKING:
@@ -379,7 +394,12 @@ class TrainingService:
             self.stats.rounds_local += 1
         started = time.perf_counter()
         pending[r] = snapshot = trainer.parameters_vector()
-        post(Boundary(r, snapshot.clone()))
+        if getattr(outer, "compressed", False):
+            # a topk run: the frame of this round's pseudo-gradient goes out, not θ_r (its
+            # error feedback is taken now, after every older round was closed above)
+            post(Boundary(r, Compressed((outer.prepare(snapshot, r),), snapshot.numel())))
+        else:
+            post(Boundary(r, snapshot.clone()))
         self.stats.outer_s += time.perf_counter() - started
 
     def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],

@@ -157,10 +157,14 @@ def build_timed(m: Any, peer_id: str, step_ms: float,
 
     trainer = TimedTrainer(params or model_params(m), step_ms / 1000.0, seed=m.run.seed,
                            replica=replica_index(peer_id), lr=m.train.lr)
-    if m.outer.algorithm == "diloco":
+    if m.outer.codec == "topk" and m.outer.algorithm in ("noloco", "diloco"):
+        from node.training.build import topk_outer
+
+        outer: Any = topk_outer(m, trainer.parameters_vector())
+    elif m.outer.algorithm == "diloco":
         from node.ml.optim.diloco import DiLoCoConfig, SwarmDiLoCo
 
-        outer: Any = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
+        outer = SwarmDiLoCo(trainer.parameters_vector(), DiLoCoConfig(
             outer_lr=m.outer.outer_lr, momentum=m.outer.momentum, nesterov=m.outer.nesterov))
     elif m.outer.algorithm == "noloco":
         from node.ml.optim.noloco import NoLoCo, NoLoCoConfig

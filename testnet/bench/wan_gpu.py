@@ -14,7 +14,8 @@ loss is not measured here (`node bench convergence`).
 
 Cases, side by side: NoLoCo and DiLoCo (synchronous, the baseline), each with bf16 on the
 wire and with the compressed codec named by `--compressed` (default: one that
-protocols/codecs.py knows beyond the dense ones, if any). Until a compressed codec exists
+protocols/codecs.py knows beyond the dense ones, if any; `--compressed topk`: the sparse
+frames of protocols/sparse.py, outer.codec = "topk"). Until a compressed codec is named
 its rows say "pending compressed codec".
 
 Memory and CPU: each node holds a handful of whole-model fp32 vectors (the weights, φ and
@@ -79,7 +80,7 @@ every_steps = 1000000       # no checkpoints: they would only add disk noise
 
 def compressed_codec(name: str | None) -> tuple[str | None, str | None]:
     """(the compressed codec to run, None) or (None, why its rows are pending)."""
-    from protocols import codecs
+    from protocols import codecs, sparse
     from protocols import manifest as mf
 
     if name is None:
@@ -87,7 +88,7 @@ def compressed_codec(name: str | None) -> tuple[str | None, str | None]:
         if not extra:
             return None, "protocols/codecs.py knows no compressed codec yet"
         name = extra[0]
-    if name not in codecs.CODECS:
+    if name not in codecs.CODECS and name != sparse.CODEC:
         return None, f"protocols/codecs.py does not know {name!r}"
     try:
         mf.parse_manifest(MANIFEST.format(codec=name, outer=""))

@@ -39,6 +39,7 @@ def test_the_gpu_case_reports_per_node_shares_and_marks_missing_codecs_pending()
 
     codec, why = wan_gpu.compressed_codec("no-such-codec")
     assert codec is None and "no-such-codec" in why
+    assert wan_gpu.compressed_codec("topk") == ("topk", None)  # the manifest takes it
     assert wan_gpu.scaled_rate("100mbit", 8) == "12500kbit"
     for bad in ("fast", "100mbps"):
         try:

@@ -284,3 +284,67 @@ class CompressedDiLoCo:
         self.rounds += 1
         lam = self.topk.keep_residual
         return self.phi.sub(self._residual(), alpha=lam) if lam else self.phi
+
+
+TOPK_STATE_FORMAT = "peertrain.topk-outer"
+TOPK_STATE_VERSION = 1
+
+
+class SwarmTopK:
+    """CompressedNoLoCo or CompressedDiLoCo as the training service drives an outer
+    optimizer (`outer.codec = "topk"`; node/training/service.py, docs/training.md).
+
+    At round r's boundary the service calls `prepare(θ_r, r)` and hands the frame's bytes
+    (not θ_r) to the averager; the outcome brings the partners' decoded frames (NoLoCo) or
+    every worker's, this one's included (DiLoCo's all-gather), and `outer_step` pairs them
+    with the frame prepared for that round. No partner frame: a local step on this peer's
+    own frame (the error feedback kept what it did not carry). The weights it returns are
+    applied late by the service like any other outer step's (overlap.apply_late)."""
+
+    compressed = True  # the service sends `prepare`'s frame, not the weights
+
+    def __init__(self, inner: CompressedNoLoCo | CompressedDiLoCo) -> None:
+        self.inner = inner
+        self.diloco = isinstance(inner, CompressedDiLoCo)
+        self.synchronous = self.diloco  # DiLoCo waits for its all-gather, as SwarmDiLoCo
+        self._own: dict[int, sparse.Frame] = {}  # round -> the frame prepared for it
+
+    @property
+    def phi(self) -> torch.Tensor:
+        return self.inner.phi
+
+    @property
+    def rounds(self) -> int:
+        return self.inner.rounds
+
+    def prepare(self, theta_local: torch.Tensor, round: int) -> bytes:
+        """Round `round`'s frame, encoded; kept until that round's outer step."""
+        frame = self._own[round] = self.inner.prepare(theta_local)
+        for old in [r for r in self._own if r < round]:  # closed rounds never come back
+            del self._own[old]
+        return sparse.encode(frame)
+
+    def outer_step(self, theta_local: torch.Tensor, group: Sequence[sparse.Frame] = (), *,
+                   peers: Sequence[str] = (), round: int = 0) -> torch.Tensor:
+        """The outer step for `round` with the frames received for it (none: local)."""
+        own = self._own.pop(round, None)
+        if own is None:  # never prepared (a caller outside the service): prepare now
+            own = self.inner.prepare(theta_local)
+        if any(not isinstance(f, sparse.Frame) for f in group):
+            raise TypeError("a topk outer step takes decoded frames, not dense vectors")
+        if isinstance(self.inner, CompressedDiLoCo):
+            return self.inner.outer_step(list(group) or [own])
+        return self.inner.outer_step(own, list(group))
+
+    def state_dict(self) -> dict[str, object]:
+        return {"format": TOPK_STATE_FORMAT, "version": TOPK_STATE_VERSION,
+                "rounds": self.inner.rounds, "phi": self.inner.phi.clone(),
+                "m": self.inner.m.clone(), "e": self.inner.ef.e.clone()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if state.get("format") != TOPK_STATE_FORMAT or state.get("version") != TOPK_STATE_VERSION:
+            raise ValueError(f"not a {TOPK_STATE_FORMAT} v{TOPK_STATE_VERSION} state")
+        for name, dst in (("phi", self.inner.phi), ("m", self.inner.m), ("e", self.inner.ef.e)):
+            dst.copy_(as_flat_fp32(state[name], like=dst,  # type: ignore[arg-type]
+                                   what=f"state {name}"))
+        self.inner.rounds = int(state["rounds"])  # type: ignore[call-overload]
