@@ -300,4 +300,7 @@ def test_an_exchange_deadline_grows_with_the_partner_s_round_trip_time():
     numel = 10_000_000  # 80 MB both ways at the 50 MB/s prior: 1.6 s, x4
     near, far, unmeasured = (avg.deadline(p, numel) for p in ("near", "far", "new"))
     assert far - near == pytest.approx(HANDSHAKE_RTTS * (0.5 - 0.001))
-    assert unmeasured == pytest.approx(4 * 1.6 + 0.5 * 50 * 0.2)  # no RTT yet: none added
+    # no RTT yet: none added; a partner never measured gets at least our own exchanges'
+    # expected seconds (the prior's, before the first)
+    assert unmeasured == pytest.approx(4 * max(1.6, avg.expected_exchange_s(numel))
+                                       + 0.5 * 50 * 0.2)
