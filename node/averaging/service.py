@@ -61,6 +61,10 @@ PRIOR_WIRE_BYTES_PER_S = 25e6
 # Benchmarks that scale the model and the link alike (`node bench wan --gpu --scale S`) scale
 # this prior too, or their first exchanges would be S times too optimistic.
 PRIOR_ENV = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S"
+# An exchange cut by its deadline counts as a slow link (Averager._too_slow) only while its
+# bytes were still arriving: none for this long (or this share of the deadline) is a stall.
+STALL_S = 2.0
+STALL_SHARE = 0.1
 
 
 def prior_wire_rate() -> float:
@@ -94,11 +98,12 @@ class PartnerStats:
 
 @dataclass
 class _Progress:
-    """One swap under way: when it began, its size each way, what has arrived."""
+    """One swap under way: when it began, its size each way, what has arrived and when."""
 
     started: float
     total: int  # our payload's bytes: the partner's is the same codec and size
     received: int = 0
+    last: float = 0.0  # time.monotonic() of the last byte received
 
 
 @dataclass
@@ -315,14 +320,17 @@ class Averager:
         become that estimate, and the partner's rate estimate at most half what it was (the
         next deadline at least doubles)."""
         st = self.partners.setdefault(partner, PartnerStats())
-        if progress is None or progress.received == 0:
-            # Nothing arrived: the partner never came (views of the round or the span that
-            # differ, a late trainer), which says nothing of the link: a longer deadline
-            # next time, the expected seconds left alone (taken as slowness, they grew the
-            # span to 64 rounds).
+        now = time.monotonic()
+        if (progress is None or progress.received == 0
+                or now - progress.last > max(STALL_S, STALL_SHARE * limit)):
+            # Nothing arrived (the partner never came: views of the round or the span that
+            # differ, a late trainer), or the bytes had stopped (a partner killed or stalled
+            # mid-swap): neither says anything of the link. A longer deadline next time, the
+            # expected seconds left alone: taken as slowness, one killed partner grew a LAN
+            # testnet's span, and a restarted node's jump with it (tests/swarm/test_churn.py).
             st.bytes_per_s /= 2
             return
-        seconds = time.monotonic() - progress.started
+        seconds = now - progress.started
         left = max(0, progress.total - progress.received)
         # at most twice the deadline: early bytes are slow (TCP's slow start, other swaps
         # still on the link)
@@ -642,7 +650,7 @@ class Averager:
                     break
                 if isinstance(event, av.ChunkReceived):
                     received += event.nbytes
-                    progress.received = received
+                    progress.received, progress.last = received, time.monotonic()
         self._count(partner, path, sent, received)
         st = self.partners[partner]
         seconds = time.monotonic() - started

@@ -205,6 +205,7 @@ class StageWorker:
             st.step_s = dt if st.step_s == 0 else 0.7 * st.step_s + 0.3 * dt
         st.steps += 1
         self.progress.compute_s += time.monotonic() - t0
+        self.progress.steps_run += 1
 
     def _after_step(self, step: int) -> None:
         """The replicas' outer round (replicas.py) and the checkpoint, under the lock

@@ -81,9 +81,10 @@ class TrainingStats:
     aggregation: dict[str, Any] | None = None  # gossip learning: last weights and refusals
     grad_norm: float | None = None  # pipeline stages: the last step's, after clipping
     sync_wait_s: float = 0.0  # DiLoCo: seconds the trainer waited for all-reduces
+    steps_run: int = 0  # inner steps this process computed (compute_s is their time)
     # Base rounds per exchange (node/training/service.py, "Spans"): what this node's own
     # measurements call for (`span_wanted`, sent in heartbeats) and what it uses (`span`,
-    # the largest any live peer wants).
+    # swarm_span below).
     span: int = 1
     span_wanted: int = 1
     # Seconds the trainer thread spent on outer steps and boundary snapshots (whole-model
@@ -91,8 +92,12 @@ class TrainingStats:
     outer_s: float = 0.0
 
     def step_time(self) -> float:
-        """Measured seconds per inner step (a prior of 0.2 s before the first step)."""
-        return self.compute_s / self.step if self.step else 0.2
+        """Measured seconds per inner step (a prior of 0.2 s before the first step).
+
+        Over the steps this process ran (`steps_run`), not the step counter: a node resumed
+        at step 40 and jumped to the swarm's step 99 had run none, and 0 s per step made a
+        round of 0 s (its span computation raised and took the node down)."""
+        return self.compute_s / self.steps_run if self.steps_run else 0.2
 
     def snapshot(self) -> dict[str, Any]:
         wall = max(1e-9, time.monotonic() - self.started_at)
@@ -128,8 +133,14 @@ def span_for(exchange_s: float, round_s: float, current: int = 1,
 
 
 def swarm_span(own: int, reported: list[object], most: int = MAX_SPAN) -> int:
-    """The span this node uses: the largest wanted by itself or any live peer (their
-    heartbeats' `span`); a value that is not a power of two in [1, most] is ignored."""
-    valid = [s for s in reported
-             if type(s) is int and 1 <= s <= most and s & (s - 1) == 0]
-    return max([own, *valid])
+    """The span this node uses: its own, or the (upper) median of what the live peers want
+    (their heartbeats' `span`) where that is larger; a value that is not a power of two in
+    [1, most] is ignored.
+
+    The median, not the largest: one hostile or broken peer writing `span = 64` in its
+    heartbeats would otherwise put every node at 64 rounds between outer steps. A node whose
+    own link needs more keeps its own: powers of two keep its boundaries among everyone
+    else's, so it still meets partners there."""
+    valid = sorted(s for s in reported
+                   if type(s) is int and 1 <= s <= most and s & (s - 1) == 0)
+    return max(own, valid[len(valid) // 2]) if valid else own

@@ -44,9 +44,10 @@ an exchange spans k base rounds: only the boundaries r with r % k == 0 start one
 outcome may land at any inner step before the next of them (node/ml/optim/overlap.py
 applies it with the progress made meanwhile). k follows the measured step time and the
 exchange's measured (or, before the first, estimated) seconds (`rounds.span_for`): a
-power of two, the largest any live peer wants (heartbeats carry `span`), so that peers
-agree on which rounds exchange. An outer step then covers k·H inner steps; rounds
-averaged and local count outer steps. DiLoCo's synchronous baseline keeps k = 1: it waits.
+power of two, the node's own or the live peers' median where larger (heartbeats carry
+`span`), so that peers agree on which rounds exchange. An outer step then covers k·H inner
+steps; rounds averaged and local count outer steps. DiLoCo's synchronous baseline keeps
+k = 1: it waits.
 """
 
 from __future__ import annotations
@@ -178,11 +179,13 @@ class TrainingService:
             await trio.sleep(ctx.config.heartbeat_s / 2)
 
     def _follow_span(self, ctx: NodeContext) -> None:
-        """The span this node wants (its step time, its exchange's seconds) and the one it
-        uses (the largest a live peer wants); only for an outer step that overlaps."""
-        st, h = self.stats, self._inner_steps
+        """The span this node wants (its measured step time, its exchange's seconds) and
+        the one it uses (rounds.swarm_span); only for an outer step that overlaps (not
+        DiLoCo, which waits, nor gossip learning, which meets its neighbours each round)."""
+        st, h, outer = self.stats, self._inner_steps, self.outer
         if (self._expected_exchange_s is None or h is None or not st.params
-                or getattr(self.outer, "synchronous", False) or self.outer is None):
+                or not st.steps_run or outer is None or getattr(outer, "synchronous", False)
+                or not getattr(outer, "spans", True)):
             return
         expected = self._expected_exchange_s(st.params)
         if expected is None:
@@ -334,6 +337,7 @@ class TrainingService:
                 lower_thread_priority()  # ran at the node's priority: 0.6 s niced, 0.2 s not
                 lower_session_priority()  # the join is over: other joiners go first
             st.compute_s += time.perf_counter() - t0  # evaluation included: it is compute too
+            st.steps_run += 1
             st.step, st.loss, st.lr = s.step, s.loss, s.lr
             st.trained = min(st.trained + 1, st.step)
             if s.val_loss is not None:

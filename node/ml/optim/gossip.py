@@ -29,6 +29,10 @@ class GossipLearning:
     """θ ← aggregate(θ, neighbours' θ). With `aggregator=None` received models are ignored:
     a testnet attacker's sybils keep their poisoned model and only send it."""
 
+    # Each round meets the round's neighbours: no exchange spanning several rounds
+    # (node/training/service.py, "Spans"), whose boundaries would leave them unmet.
+    spans = False
+
     def __init__(self, layout: Layout, aggregator: Any | None) -> None:
         self.layout = layout
         self.numel = sum(shape.numel() for _, shape in layout)

@@ -9,11 +9,12 @@ import pytest
 import torch
 import trio
 
+from node.averaging.service import PartnerStats
 from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.optim.overlap import apply_late
 from node.ml.trainer.loop import TrainConfig, Trainer
 from node.ml.trainer.tasks import TaskConfig, build_task
-from node.training.rounds import MAX_SPAN, Outcome, span_for, swarm_span
+from node.training.rounds import MAX_SPAN, Outcome, TrainingStats, span_for, swarm_span
 from node.training.service import TrainingService
 from tests.conftest import await_until
 
@@ -57,9 +58,16 @@ def test_the_span_is_the_smallest_power_of_two_that_holds_the_exchange():
         span_for(1.0, 0.0)
 
 
-def test_the_swarm_span_is_the_largest_valid_one_wanted():
-    assert swarm_span(2, [None, 8, 4]) == 8
+def test_the_swarm_span_is_the_peers_median_or_our_own():
+    assert swarm_span(1, [None, 8, 4, 4]) == 4  # upper median of 4, 4, 8
+    assert swarm_span(2, [1, 1, 1]) == 2  # our own link needs more: kept
+    assert swarm_span(1, []) == 1
     assert swarm_span(4, [3, -8, 2 * MAX_SPAN, "16", 8.0, True]) == 4  # junk ignored
+
+
+def test_one_hostile_heartbeat_cannot_set_the_swarms_span():
+    assert swarm_span(1, [1, 1, MAX_SPAN]) == 1
+    assert swarm_span(1, [1, MAX_SPAN, MAX_SPAN]) == MAX_SPAN  # a majority can
 
 
 H = 5
@@ -160,17 +168,42 @@ def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeyp
     avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
     monkeypatch.setattr(averaging.time, "monotonic", lambda: 104.0)
     n = 1_000_000
-    avg._too_slow("z", 10.0, n, averaging._Progress(101.0, 2 * n, received=n // 2))
+    avg._too_slow("z", 10.0, n, averaging._Progress(101.0, 2 * n, received=n // 2, last=103.9))
     # 3 s for a quarter: 9 s more after the 10 s deadline
     assert avg.expected_exchange_s(n) == pytest.approx(19.0)
     assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 19.0)
     # never more than twice the deadline from early bytes; a measurement replaces it
-    avg._too_slow("y", 5.0, n, averaging._Progress(103.9, 2 * n, received=1000))
+    avg._too_slow("y", 5.0, n, averaging._Progress(103.9, 2 * n, received=1000, last=103.95))
     assert avg.expected_exchange_s(n) == pytest.approx(19.0)  # 10 < 19: kept
-    avg._too_slow("y", 10.0, n, averaging._Progress(103.9, 2 * n, received=1000))
+    avg._too_slow("y", 10.0, n, averaging._Progress(103.9, 2 * n, received=1000, last=104.0))
     assert avg.expected_exchange_s(n) == pytest.approx(20.0)
     avg._record("y", 8 * n, 12.0, ok=True)
     assert avg.expected_exchange_s(n) == 12.0
+
+
+def test_a_swap_whose_bytes_had_stopped_is_a_stall_not_a_slow_link(monkeypatch):
+    """Half the vector came in the first second, then nothing for 9 s (a partner killed
+    mid-swap): the deadline for that partner doubles, the expected seconds stay."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from node.averaging import service as averaging
+    from p2p.host import Substrate
+
+    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+    avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: 110.0)
+    n = 1_000_000
+    prior, rate = avg.expected_exchange_s(n), PartnerStats().bytes_per_s
+    avg._too_slow("z", 10.0, n, averaging._Progress(100.0, 2 * n, received=n, last=101.0))
+    assert avg.expected_exchange_s(n) == prior
+    assert avg.partners["z"].bytes_per_s == pytest.approx(rate / 2)
+
+
+def test_step_time_counts_the_steps_this_process_ran():
+    st = TrainingStats(step=99, compute_s=0.0)  # resumed at 40, jumped to the swarm's 99
+    assert st.step_time() == 0.2  # the prior, not 0 s
+    st.steps_run, st.compute_s = 4, 2.0
+    assert st.step_time() == 0.5
 
 
 def test_the_scaled_benchmark_names_the_averagers_prior(monkeypatch):
