@@ -17,6 +17,7 @@ import trio.testing
 
 from node.pipe.links import Inbox, Lost, Message, Outbox, Outgoing, serve_stream
 from node.pipe.worker import StageWorker
+from node.training.rounds import TrainingStats
 from protocols import pipeline as pipe
 from protocols.errors import RemoteProtocolError
 from tests.conftest import wait_until
@@ -223,10 +224,7 @@ def wire_pipeline(stages: int, d_model: int = 16, micro_batches: int = 2, dead: 
         w = torch.stack([text[i:i + 17] for i in ix])
         return w[:, :-1], w[:, 1:]
 
-    class Progress:
-        phase, step, loss, compute_s = "", 0, None, 0.0
-
-    progress = [Progress() for _ in range(stages)]
+    progress = [TrainingStats() for _ in range(stages)]
     workers: list[StageWorker] = []
     sent = sent if sent is not None else []
 
@@ -509,9 +507,6 @@ def wire_replicas(counts: list[int], micro_batches: int = 4, seed: int = 0):
     paths = [list(range(n))] * M
     workers: dict[str, StageWorker] = {}
 
-    class Progress:
-        phase, step, loss, compute_s = "", 0, None, 0.0
-
     def post_from(me: str, s: int, r: int):
         def post(to, kind, stage, step, mb, hop, tensor, origin):
             if to[0] == "peer":
@@ -545,7 +540,7 @@ def wire_replicas(counts: list[int], micro_batches: int = 4, seed: int = 0):
 
             workers[me] = StageWorker(
                 StageRunner(built[s], StageOptim(lr=3e-3), max_in_flight=4 * M + 8), n, M,
-                inboxes[me], post_from(me, s, r), stop, progress=Progress(),
+                inboxes[me], post_from(me, s, r), stop, progress=TrainingStats(),
                 batches=batches if s == 0 else None, first_wait_s=30.0, layers=[1] * n,
                 origin=me, last_hosts=lambda step: len({
                     placement.last_replica(seed, step, k, q, counts, "random")
