@@ -7,10 +7,20 @@ import hashlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.errors import NodeError
 from protocols import manifest as mf
+
+if TYPE_CHECKING:
+    import torch
+
+    from node.checkpoints.store import CheckpointStore
+    from node.ml.optim.compress import SwarmTopK, TopKConfig
+    from node.ml.optim.gossip import GossipLearning
+    from node.ml.trainer.loop import Trainer
+    from node.ml.types import Built, LocalTrainer, OuterOptimizer
+    from node.training.rounds import TrainingStats
 
 
 class TrainerSetupError(NodeError):
@@ -52,7 +62,7 @@ def neighbours(m: mf.Manifest) -> int | None:
 
 def build_training(m: mf.Manifest, peer_id: str, device: str,
                    data: list[str] | None = None,
-                   attack: str | None = None) -> tuple[Any, Any, int]:
+                   attack: str | None = None) -> Built:
     """Build (trainer, outer optimizer or None, inner steps H), from the run's initial
     weights (`resume_newest` then loads a checkpoint into them). Runs in a worker thread."""
     from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
@@ -102,7 +112,7 @@ def build_training(m: mf.Manifest, peer_id: str, device: str,
     return trainer, outer, m.outer.inner_steps
 
 
-def topk_config(m: mf.Manifest) -> Any:
+def topk_config(m: mf.Manifest) -> TopKConfig:
     """The compression a topk run sends: compress.py's defaults (NoLoCo: TopKConfig();
     DiLoCo: SparseLoCo's), narrowed to the manifest's topk_max_* bounds so that every peer
     accepts our frames (k/chunk and the bit widths are what a receiver checks)."""
@@ -120,7 +130,7 @@ def topk_config(m: mf.Manifest) -> Any:
                                anchor_bits=anchor if anchor >= 2 else 0)
 
 
-def topk_outer(m: mf.Manifest, params: Any) -> Any:
+def topk_outer(m: mf.Manifest, params: torch.Tensor) -> SwarmTopK:
     """`outer.codec = "topk"`: CompressedNoLoCo or CompressedDiLoCo (the manifest's outer
     lr and momentum), behind the service's outer-step interface (compress.SwarmTopK)."""
     from node.ml.optim.compress import CompressedDiLoCo, CompressedNoLoCo, SwarmTopK
@@ -137,8 +147,8 @@ def topk_outer(m: mf.Manifest, params: Any) -> Any:
         params, NoLoCoConfig(outer_lr=o.outer_lr, momentum=o.momentum), topk))
 
 
-def resume_newest(m: mf.Manifest, trainer: Any, outer: Any, checkpoints: Any,
-                  stats: Any = None) -> None:
+def resume_newest(m: mf.Manifest, trainer: LocalTrainer, outer: OuterOptimizer | None,
+                  checkpoints: CheckpointStore, stats: TrainingStats | None = None) -> None:
     """Continue from the run's newest checkpoint in the store, if it holds one. `stats`
     (the TrainingStats) learns what the weights now carry: the checkpoint's claim of
     trained steps (its manifest step) and its id, the lineage of what we write next."""
@@ -160,13 +170,13 @@ class Prebuild:
     longer; docs/benchmarks.md). A thread of its own at the node's priority; `result()`
     re-raises what the build raised, in the trainer thread that asks."""
 
-    def __init__(self, build: Callable[[], tuple[Any, Any, int]],
+    def __init__(self, build: Callable[[], Built],
                  hold: Callable[[], bool] = lambda: False) -> None:
         from node.process import preload
 
         self._cancelled = threading.Event()
 
-        def when_ready() -> tuple[Any, Any, int]:
+        def when_ready() -> Built:
             while not preload.wait(timeout=0.1):
                 if self._cancelled.is_set():  # a node stopped while torch loaded: its
                     raise CancelledError  # exit waits for this thread, not for torch
@@ -179,7 +189,7 @@ class Prebuild:
         self._future = pool.submit(when_ready)
         pool.shutdown(wait=False)  # the thread ends with the build
 
-    def result(self) -> tuple[Any, Any, int]:
+    def result(self) -> Built:
         return self._future.result()
 
     def cancel(self) -> None:
@@ -188,7 +198,8 @@ class Prebuild:
         self._cancelled.set()
 
 
-def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> Any:
+def _gossip(m: mf.Manifest, trainer: Trainer, peer_id: str,
+            attack: str | None) -> GossipLearning:
     """Gossip learning with the manifest's aggregator; an attacker aggregates nothing."""
     from node.ml.aggregate import make_aggregator
     from node.ml.optim.gossip import GossipLearning, layout_of
@@ -206,7 +217,8 @@ def _gossip(m: mf.Manifest, trainer: Any, peer_id: str, attack: str | None) -> A
     return GossipLearning(layout, make_aggregator(m.aggregate.method, self_id=peer_id, **params))
 
 
-def _resume(trainer: Any, outer: Any, store: Any, cid: str) -> int | None:
+def _resume(trainer: LocalTrainer, outer: OuterOptimizer | None, store: CheckpointStore,
+            cid: str) -> int | None:
     """Continue from a local checkpoint and return the trained steps it claims (its
     manifest step); a damaged or foreign one is skipped with a logged reason (training
     starts from the initial weights instead) and None returned."""

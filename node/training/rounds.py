@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class Boundary:
     round: int
-    snapshot: Any  # flat fp32 torch vector, owned by the receiver from now on
+    # θ_r, a flat fp32 vector owned by the receiver from now on; a topk run: its frame
+    snapshot: torch.Tensor | Compressed
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Snapshot:
     embody, the checkpoint's claim (docs/checkpoints.md, "What a checkpoint claims")."""
 
     step: int
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     trained: int | None = None  # None: the clock (a trainer that never jumped)
     parent: str | None = None  # the checkpoint the weights were resumed from
 

@@ -66,6 +66,7 @@ import trio
 
 from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
+from node.ml.types import aggregating, compressing
 from node.process.priority import lower_session_priority, lower_thread_priority
 from node.training.rounds import (
     Boundary,
@@ -79,7 +80,12 @@ from node.training.rounds import (
 from node.training.state import checkpoint_tensors
 
 if TYPE_CHECKING:
+    import torch
+
+    from node.ml.types import Built, LocalTrainer, OuterOptimizer
     from node.service import NodeContext
+
+    Pending = dict[int, torch.Tensor]  # round -> θ_r, the snapshot awaiting its outcome
 
 log = logging.getLogger("node.training")
 
@@ -87,7 +93,7 @@ log = logging.getLogger("node.training")
 JOIN_TIMEOUT_S = 30.0  # a stop waits this long for the trainer's current step
 
 
-def _build_at_node_priority(build: Callable[[], tuple[Any, Any, int]]) -> tuple[Any, Any, int]:
+def _build_at_node_priority(build: Callable[[], Built]) -> Built:
     """Run `build` in a thread of its own, at the node's priority, and return what it built.
 
     Building the trainer (model, data, the newest checkpoint loaded) is the end of a join;
@@ -111,7 +117,7 @@ class TrainingService:
     name = "training"
     protocols = ()
 
-    def __init__(self, build: Callable[[], tuple[Any, Any, int]],
+    def __init__(self, build: Callable[[], Built],
                  exchange: Callable[[int, Any], Awaitable[Outcome]] | None,
                  max_steps: int | None = None, checkpoint_every: int = 0,
                  on_snapshot: Callable[[Snapshot], Awaitable[None]] | None = None,
@@ -135,7 +141,7 @@ class TrainingService:
         self.swarm_step = 0
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self.outer: Any = None  # the outer optimizer, once the trainer thread has built it
+        self.outer: OuterOptimizer | None = None  # once the trainer thread has built it
         self._run_ctx: Any = None  # the node's RunContext, when run as a service
         # A partner's trained steps as its heartbeats report them (None: not known); set
         # from the membership view when run as a service.
@@ -285,7 +291,7 @@ class TrainingService:
             self.stats.error = f"{type(e).__name__}: {e}"
             post(e)
 
-    def _train(self, trainer: Any, outer: Any, inner_steps: int,
+    def _train(self, trainer: LocalTrainer, outer: OuterOptimizer | None, inner_steps: int,
                post: Callable[[Any], None]) -> None:
         st = self.stats
         st.params = int(trainer.parameters_vector().numel())
@@ -295,7 +301,7 @@ class TrainingService:
         # ... and its weights carry what the checkpoint claimed (resume_newest sets it);
         # never more than the clock
         st.trained = min(st.trained, st.step)
-        pending: dict[int, Any] = {}  # round -> snapshot awaiting its outcome
+        pending: Pending = {}
         # Checkpoints are due each time the step passes a multiple of checkpoint_every, not
         # only on the multiple itself: a node that jumps to the swarm's round may land on
         # (or skip) it, and a restarted, lagging node went hundreds of steps without one.
@@ -305,7 +311,8 @@ class TrainingService:
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
                 return
-            self._apply_outcomes(trainer, outer, pending)
+            if outer is not None:  # none: no communication, no outcomes
+                self._apply_outcomes(trainer, outer, pending)
             if self.poison_steps is not None and st.step - first >= self.poison_steps:
                 self._send_as_is(trainer, outer, inner_steps, pending, post)
                 return
@@ -358,12 +365,12 @@ class TrainingService:
                 if getattr(outer, "synchronous", False):
                     self._wait_for(st.round, trainer, outer, pending, posted)
 
-    def _span(self, outer: Any) -> int:
+    def _span(self, outer: OuterOptimizer | None) -> int:
         """Base rounds per exchange now: 1 for a synchronous outer step (DiLoCo waits)."""
         return 1 if getattr(outer, "synchronous", False) else max(1, int(self.span))
 
-    def _send_as_is(self, trainer: Any, outer: Any, inner_steps: int,
-                    pending: dict[int, Any], post: Callable[[Any], None]) -> None:
+    def _send_as_is(self, trainer: LocalTrainer, outer: OuterOptimizer | None, inner_steps: int,
+                    pending: Pending, post: Callable[[Any], None]) -> None:
         """A testnet attacker past its poisoning steps: the model stays as it is, the step
         follows the swarm's, and each round crossed posts that model as the boundary's.
 
@@ -374,7 +381,8 @@ class TrainingService:
         the swarm: a peer ahead makes every honest node skip steps to its round."""
         st = self.stats
         while not self._stop.is_set():
-            self._apply_outcomes(trainer, outer, pending)
+            if outer is not None:
+                self._apply_outcomes(trainer, outer, pending)
             target = self.swarm_step
             if self.max_steps is not None:
                 target = min(target, self.max_steps)
@@ -388,7 +396,7 @@ class TrainingService:
                 return
             self._stop.wait(0.05)
 
-    def _post_boundary(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
+    def _post_boundary(self, r: int, trainer: LocalTrainer, outer: OuterOptimizer, pending: Pending,
                        post: Callable[[Any], None]) -> None:
         """Round r's boundary: a round whose exchange has not come back by now is closed
         locally, and the model goes out for round r's exchange."""
@@ -398,7 +406,7 @@ class TrainingService:
             self.stats.rounds_local += 1
         started = time.perf_counter()
         pending[r] = snapshot = trainer.parameters_vector()
-        if getattr(outer, "compressed", False):
+        if compressing(outer):
             # a topk run: the frame of this round's pseudo-gradient goes out, not θ_r (its
             # error feedback is taken now, after every older round was closed above)
             post(Boundary(r, Compressed((outer.prepare(snapshot, r),), snapshot.numel())))
@@ -406,7 +414,7 @@ class TrainingService:
             post(Boundary(r, snapshot.clone()))
         self.stats.outer_s += time.perf_counter() - started
 
-    def _wait_for(self, r: int, trainer: Any, outer: Any, pending: dict[int, Any],
+    def _wait_for(self, r: int, trainer: LocalTrainer, outer: OuterOptimizer, pending: Pending,
                   started: float) -> None:
         """DiLoCo: no inner step before round r's all-reduce is back (the averager's own
         deadlines bound the wait); the time from posting the boundary to its outcome is
@@ -417,7 +425,8 @@ class TrainingService:
                 self._stop.wait(0.005)
         self.stats.sync_wait_s += time.perf_counter() - started
 
-    def _apply_outcomes(self, trainer: Any, outer: Any, pending: dict[int, Any]) -> None:
+    def _apply_outcomes(self, trainer: LocalTrainer, outer: OuterOptimizer,
+                        pending: Pending) -> None:
         while True:
             try:
                 outcome = self._outcomes.get_nowait()
@@ -445,15 +454,16 @@ class TrainingService:
         group = [st.trained, *(min(t, st.step) for t in outcome.partner_trained if t >= 0)]
         st.trained = max(st.trained, min(st.step, sum(group) // len(group)))
 
-    def _outer_step(self, trainer: Any, outer: Any, snapshot: Any, outcome: Outcome) -> None:
+    def _outer_step(self, trainer: LocalTrainer, outer: OuterOptimizer, snapshot: torch.Tensor,
+                    outcome: Outcome) -> None:
         started = time.perf_counter()
         try:
             self._outer_step_timed(trainer, outer, snapshot, outcome)
         finally:
             self.stats.outer_s += time.perf_counter() - started
 
-    def _outer_step_timed(self, trainer: Any, outer: Any, snapshot: Any,
-                          outcome: Outcome) -> None:
+    def _outer_step_timed(self, trainer: LocalTrainer, outer: OuterOptimizer,
+                          snapshot: torch.Tensor, outcome: Outcome) -> None:
         phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
                                round=outcome.round)
         if phi is None:  # the outer step keeps the model as it is (a testnet attacker)
@@ -461,7 +471,7 @@ class TrainingService:
         from node.ml.optim.overlap import apply_late  # torch: imported once training runs
 
         trainer.set_parameters_vector(apply_late(trainer.parameters_vector(), snapshot, phi))
-        if hasattr(outer, "last_weights") and outcome.partner_thetas:
+        if aggregating(outer) and outcome.partner_thetas:
             self.stats.aggregation = {"round": outcome.round, "weights": outer.last_weights,
                                       "rejected": outer.last_rejected}
 

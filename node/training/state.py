@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported when a checkpoint is written: the daemon imports
     import torch  # this module before torch is loaded (in a worker thread)
 
+    from node.ml.types import LocalTrainer, OuterOptimizer
+
 SKELETON = "__state__"
 
 
@@ -62,17 +64,20 @@ def from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return build(skeleton)
 
 
-def checkpoint_tensors(trainer: Any, outer: Any) -> dict[str, Any]:
+def checkpoint_tensors(trainer: LocalTrainer,
+                       outer: OuterOptimizer | None) -> dict[str, torch.Tensor]:
     """The trainer's and the outer optimizer's `state_dict()`, as safetensors wants them."""
     state = {"trainer": trainer.state_dict()}
-    if hasattr(outer, "state_dict"):  # NoLoCo's momentum; gossip learning keeps none
+    # NoLoCo's momentum; gossip learning keeps none
+    if outer is not None and hasattr(outer, "state_dict"):
         state["outer"] = outer.state_dict()
     return to_tensors(state)
 
 
-def restore_checkpoint(trainer: Any, outer: Any, tensors: dict[str, Any]) -> None:
+def restore_checkpoint(trainer: LocalTrainer, outer: OuterOptimizer | None,
+                       tensors: dict[str, torch.Tensor]) -> None:
     """Inverse of `checkpoint_tensors`, through the same `load_state_dict`s."""
     state = from_tensors(tensors)
     trainer.load_state_dict(state["trainer"])
-    if hasattr(outer, "load_state_dict") and "outer" in state:
+    if outer is not None and hasattr(outer, "load_state_dict") and "outer" in state:
         outer.load_state_dict(state["outer"])
