@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -23,6 +24,7 @@ from node.pipe.state import PipeState
 from node.pipe.weights import WeightsServer
 
 if TYPE_CHECKING:
+    from node.pipe.worker import StageWorker
     from node.service import NodeContext
 
 log = logging.getLogger("node.pipeline")
@@ -40,7 +42,7 @@ class Recovery:
         self.fetcher = fetcher
         self.weights = weights  # the ends copy CheckFree+ restores an edge's ends from
 
-    async def recover(self, worker: Any) -> None:
+    async def recover(self, worker: StageWorker) -> None:
         """Mid-run, a stage is not drawn from the seed: it takes its weights from the
         first source that answers, in the order sources.rank gives (module docstring)."""
         from node.ml.recovery import sources
@@ -89,7 +91,7 @@ class Recovery:
             'recovery = "none": the seed\'s weights' if p.recovery == "none"
             else "no replica, checkpoint or neighbour had its weights"))
 
-    async def _copy(self, worker: Any, peer: str, swarm: int, t0: float) -> bool:
+    async def _copy(self, worker: StageWorker, peer: str, swarm: int, t0: float) -> bool:
         """A live replica's weights and its claim (its answer's, else its heartbeats')."""
         shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.state_dict().items()}
         got, _ = await self.fetcher.first([peer], self.state.stage or 0, "all", shapes)
@@ -102,7 +104,7 @@ class Recovery:
         self._recovered("copy", [peer], t0, swarm, f"{worker.trained} trained steps")
         return True
 
-    async def _resume(self, worker: Any, own: Any, swarm: int, t0: float) -> bool:
+    async def _resume(self, worker: StageWorker, own: Path, swarm: int, t0: float) -> bool:
         """This node's own checkpoint of the stage, whatever its claim (ranked already)."""
         st = self.state
         try:
@@ -118,7 +120,7 @@ class Recovery:
                         f"{max(swarm - got.trained, 0)} behind the swarm")
         return True
 
-    async def _from_peers(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+    async def _from_peers(self, worker: StageWorker, smap: list[list[str]], swarm: int, fresh: int,
                           t0: float) -> bool:
         """Another peer's own checkpoint of our stage (one that hosted it before), if its
         weights are current: every live peer that does not host it is asked at once, the
@@ -155,7 +157,7 @@ class Recovery:
                         f"stage, trained {worker.trained} steps")
         return True
 
-    async def _rebuild(self, worker: Any, smap: list[list[str]], swarm: int, fresh: int,
+    async def _rebuild(self, worker: StageWorker, smap: list[list[str]], swarm: int, fresh: int,
                        t0: float) -> None:
         """CheckFree (or CheckFree+) from the nearest surviving stages, past any adjacent
         stage that is lost too (sources.lost_stages); raises when it cannot. The rebuilt

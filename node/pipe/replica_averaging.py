@@ -19,6 +19,7 @@ from node.pipe.state import PipeState
 if TYPE_CHECKING:
     from node.averaging.service import Averager
     from node.pipe.replicas import ReplicaRounds
+    from node.pipe.worker import StageWorker
     from node.service import NodeContext
 
 
@@ -67,7 +68,7 @@ class ReplicaAveraging:
     def has_partners(self) -> bool:
         return bool(self.partners())
 
-    def rounds(self, worker: Any, token: trio.lowlevel.TrioToken) -> ReplicaRounds:
+    def rounds(self, worker: StageWorker, token: trio.lowlevel.TrioToken) -> ReplicaRounds:
         """The worker's rounds (trainer thread), from the weights its stage starts with."""
         from node.ml.optim import NoLoCoConfig
         from node.pipe.replicas import ReplicaRounds

@@ -174,7 +174,7 @@ class StageThread:
                                             + replica_index(self.ctx.peer_id))
         return lambda: task.train_batch(m.train.batch_size, gen)
 
-    def checkpoint_hook(self, worker: Any) -> Callable[[int], None]:
+    def checkpoint_hook(self, worker: StageWorker) -> Callable[[int], None]:
         """The worker's on_step: the stage's own checkpoint every checkpoint.every_steps
         steps (trainer thread). A failed write (a full disk) is logged; training goes on."""
         st, s = self.state, self.state.stage

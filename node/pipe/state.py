@@ -18,6 +18,7 @@ from node.pipe.links import Inbox, Lost, Outgoing
 from protocols import manifest as mf
 
 if TYPE_CHECKING:
+    from node.pipe.worker import StageWorker
     from node.training.rounds import TrainingStats
 
 
@@ -45,7 +46,7 @@ class PipeState:
         self.training = False
         self.inbox = Inbox(capacity=4 * self.M + 8)
         self.counters: Counter[str] = Counter()
-        self.worker: Any = None  # the running StageWorker, once its stage has started
+        self.worker: StageWorker | None = None  # the running one, once its stage started
         self.stop = threading.Event()  # the running worker's
         self.move_to: int | None = None  # a takeover asked by membership
         self.recovery: dict[str, Any] | None = None  # how this stage started, mid-run

@@ -24,6 +24,8 @@ from protocols import pipeline as pipe
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
 
+    from node.ml.recovery import EdgeCopies
+    from node.pipe.worker import StageWorker
     from node.service import NodeContext
 
 log = logging.getLogger("node.pipeline")
@@ -42,7 +44,7 @@ class WeightsServer:
         # CheckFree+: the ends (embedding, final norm) of a neighbouring edge stage, kept so
         # that a replacement can restore them when that stage loses every host; refreshed
         # every ENDS_EVERY_S (keep_ends). An EdgeCopies once torch is loaded.
-        self.ends_copies: Any = None
+        self.ends_copies: EdgeCopies | None = None
 
     async def serve(self, stream: INetStream) -> None:
         from node.transport.streams import next_event, write_chunks
@@ -98,7 +100,7 @@ class WeightsServer:
     def edge_neighbour(self, edge: int) -> int:
         return 1 if edge == 0 else self.state.n - 2
 
-    async def ends_copy(self, worker: Any, s: int, smap: list[list[str]]
+    async def ends_copy(self, worker: StageWorker, s: int, smap: list[list[str]]
                         ) -> tuple[str, dict[str, Any]]:
         """CheckFree+: (holder, tensors) of the copy of lost edge stage `s`'s ends (its
         embedding / final norm) that its neighbour keeps; ours if this node was that
@@ -128,7 +130,7 @@ class WeightsServer:
         from node.ml.recovery import EdgeCopies
 
         st = self.state
-        self.ends_copies = EdgeCopies()
+        copies = self.ends_copies = EdgeCopies()
         shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # per edge, built once
         while True:
             await trio.sleep(ENDS_EVERY_S)
@@ -147,7 +149,7 @@ class WeightsServer:
                 except Exception as e:
                     log.info("pipeline: refreshing the copy of stage %d's ends: %s", edge, e)
                     continue
-                self.ends_copies.refresh(edge, got.tensors, got.step)
+                copies.refresh(edge, got.tensors, got.step)
 
     def _ends_shapes(self, edge: int) -> dict[str, tuple[int, ...]]:
         from node.ml.pipeline.stages import Stage
