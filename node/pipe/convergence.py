@@ -1,6 +1,7 @@
 """Checks that keep the stage map and the step counter from being decided by one bad view.
 
-Pure functions of what a node has heard (the pipeline service, service.py, feeds them):
+Pure functions of what a node has heard (the pipeline service's stage map and stage
+choice, stage_map.py and choice.py, feed them):
 
 * `recent_hosts`: a stage is taken over (a trained node leaves its stage to rebuild one
   with no host) only when nobody heard lately hosts it. The live view drops a peer one

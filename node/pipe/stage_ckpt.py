@@ -90,7 +90,7 @@ def claim(path: Path, run_id: str, stage: int, layers: list[int]) -> Claim:
 def weights(path: Path, run_id: str, stage: int, layers: list[int]
             ) -> tuple[Claim, dict[str, Any]]:
     """The claim and the stage's weights (its state dict, no optimizer), to serve to a
-    replacement of a stage this node hosted before (node/pipe/service.py)."""
+    replacement of a stage this node hosted before (node/pipe/weights.py)."""
     state, got = _read(path, run_id, stage, layers)
     model = state.get("model")
     if not isinstance(model, dict):

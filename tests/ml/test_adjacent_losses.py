@@ -80,23 +80,24 @@ async def test_a_peer_serves_its_checkpoint_of_a_stage_it_no_longer_hosts(tmp_pa
     from p2p.host import Substrate
 
     service = service_hearing(me="z0", stage=0)
-    service._ctx.config.state_dir = tmp_path
-    service.stage = 2  # it hosted stage 2 then
-    donor = service._build_worker(post=lambda *a: None)
-    service.stage = 0
-    path = stage_ckpt.path_for(tmp_path, service.run_id, 2)
-    stage_ckpt.save(path, donor.runner, service.run_id, list(service.layers), 900, 880)
+    st = service.state
+    service.map.ctx.config.state_dir = tmp_path
+    st.stage = 2  # it hosted stage 2 then
+    donor = service.thread.build_worker(post=lambda *a: None)
+    st.stage = 0
+    path = stage_ckpt.path_for(tmp_path, st.run_id, 2)
+    stage_ckpt.save(path, donor.runner, st.run_id, list(st.layers), 900, 880)
     shapes = {k: tuple(v.shape) for k, v in donor.runner.stage.state_dict().items()}
 
     asker, host = (Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
                    for _ in range(2))
-    host.set_handler("/peertrain/pipe-weights/1.0.0", service._serve_weights)
+    host.set_handler("/peertrain/pipe-weights/1.0.0", service.weights.serve)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             for s in (asker, host):
                 await nursery.start(s.serve)
             peer = await asker.connect(host.addrs()[0])
-            got = await WeightsFetcher(asker, service.run_id).fetch(peer.to_base58(), 2,
+            got = await WeightsFetcher(asker, st.run_id).fetch(peer.to_base58(), 2,
                                                                     "all", shapes)
             nursery.cancel_scope.cancel()
     assert (got.step, got.trained) == (900, 880)

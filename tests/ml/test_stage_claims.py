@@ -1,5 +1,5 @@
 """A pipeline stage's weights claim the steps they were trained, never the swarm's clock
-(node/ml/recovery/sources.py, node/pipe/service.py `_recover`; docs/pipeline.md, "What a
+(node/ml/recovery/sources.py, node/pipe/recovery.py `Recovery.recover`; docs/pipeline.md, "What a
 stage's weights claim"). Issue 26 item 2, the pipeline's case."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import trio
 
 from node.ml.recovery.sources import Source, rank
 from node.pipe import stage_ckpt
-from node.pipe.fetch import WeightsFetcher
 from tests.conftest import node_context
 from tests.node.pipe.test_pipe_convergence import service_hearing
 
@@ -51,9 +50,9 @@ def test_a_recovering_replica_ranks_its_stage_s_hosts_by_their_heartbeats():
                               ("r2", 1, 0.5, {"step": SWARM, "trained": 990}),
                               ("c2", 2, 0.5, {"step": SWARM}), ("d3", 3, 0.5, {"step": SWARM}),
                               me="z1", stage=1)
-    claims = service.trained_of(service.stage_map()[1])
+    claims = service.map.trained_of(service.map.rows()[1])
     assert claims == {"r1": 2, "r2": 990}
-    assert rank(claims, None, service.swarm_step(), FRESH)[0].peer == "r2"
+    assert rank(claims, None, service.map.swarm_step(), FRESH)[0].peer == "r2"
 
 
 class Unreachable:
@@ -70,44 +69,45 @@ def test_a_stage_started_from_the_seed_checkpoints_no_trained_steps(tmp_path):
     current weights refuses it (the old code wrote "step 1025" and a restart resumed from it
     as fresh), and what it claims is the 0 steps its weights were trained."""
     service = service_hearing(("a0", 0, 0.5, {"step": SWARM}), ("c2", 2, 0.5, {"step": SWARM}),
-                              ("d3", 3, 0.5, {"step": SWARM}), me="z1", stage=1)
-    service._ctx.config.state_dir = tmp_path
-    service.fetcher = WeightsFetcher(Unreachable(), service.run_id)
-    assert service.swarm_step() == SWARM
-    worker = service._build_worker(post=lambda *a: None)
-    trio.run(service._recover, worker)
-    assert service.recovery is not None and service.recovery["rule"] == "none"
+                              ("d3", 3, 0.5, {"step": SWARM}), me="z1", stage=1,
+                              substrate=Unreachable())
+    st = service.state
+    service.map.ctx.config.state_dir = tmp_path
+    assert service.map.swarm_step() == SWARM
+    worker = service.thread.build_worker(post=lambda *a: None)
+    trio.run(service.recovery.recover, worker)
+    assert st.recovery is not None and st.recovery["rule"] == "none"
     assert worker.step == SWARM  # the clock follows the swarm
 
-    every = service.m.checkpoint.every_steps
-    service._checkpoint_hook(worker)(SWARM + every)
-    path = stage_ckpt.path_for(tmp_path, service.run_id, 1)
-    restarted = service._build_worker(post=lambda *a: None)
+    every = st.m.checkpoint.every_steps
+    service.thread.checkpoint_hook(worker)(SWARM + every)
+    path = stage_ckpt.path_for(tmp_path, st.run_id, 1)
+    restarted = service.thread.build_worker(post=lambda *a: None)
     with pytest.raises(stage_ckpt.StageCheckpointError):
-        stage_ckpt.load(path, restarted.runner, service.run_id, list(service.layers),
+        stage_ckpt.load(path, restarted.runner, st.run_id, list(st.layers),
                         min_step=SWARM - 10 * every)
-    assert stage_ckpt.claim(path, service.run_id, 1, list(service.layers)) == \
+    assert stage_ckpt.claim(path, st.run_id, 1, list(st.layers)) == \
         stage_ckpt.Claim(SWARM + every, 0)
 
     # restarted with that file: CheckFree fails again, the file is the only source left,
     # and the stage says it holds 0 trained steps
-    service.recovery = None
-    trio.run(service._recover, restarted)
-    assert service.recovery["rule"] == "checkpoint" and restarted.trained == 0
-    assert "trained 0 steps" in service.recovery["reason"]
+    st.recovery = None
+    trio.run(service.recovery.recover, restarted)
+    assert st.recovery["rule"] == "checkpoint" and restarted.trained == 0
+    assert "trained 0 steps" in st.recovery["reason"]
 
 
 def test_each_optimizer_step_counts_one_trained_step(tmp_path):
     service = service_hearing(me="z1", stage=1)
-    service._ctx.config.state_dir = tmp_path
-    worker = service._build_worker(post=lambda *a: None)
+    service.map.ctx.config.state_dir = tmp_path
+    worker = service.thread.build_worker(post=lambda *a: None)
     worker.started_from(40)
     stage = worker.runner.stage
     import torch
 
-    stage.run_blocks(torch.randn(2, 8, service.m.model.d_model)).pow(2).mean().backward()
+    stage.run_blocks(torch.randn(2, 8, service.state.m.model.d_model)).pow(2).mean().backward()
     worker._apply()
-    assert worker.trained == service.progress.trained == 41
+    assert worker.trained == service.state.progress.trained == 41
     assert worker.snapshot("blocks")[3] == 41  # the claim its weights answers carry
 
 

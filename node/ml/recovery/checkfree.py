@@ -183,7 +183,7 @@ def edge_plan(lost: int, layers: Sequence[int], lost_too: Collection[int] = ()
 
 def edges_have_rule(layers: Sequence[int], mode: str) -> bool:
     """Whether a lost first or last stage has a rule that needs its neighbour's copy of
-    the ends (node/pipe's `_keep_ends` keeps one only then)."""
+    the ends (node/pipe/weights.py's `keep_ends` keeps one only then)."""
     if mode not in ("checkfree", "checkfree+"):
         return False
     for edge in (0, len(layers) - 1):

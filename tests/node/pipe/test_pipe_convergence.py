@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 from node.membership.view import Membership
 from node.pipe import convergence
@@ -13,10 +14,13 @@ from protocols.heartbeat import Heartbeat
 from tests.conftest import node_context
 
 
-def service_hearing(*beats: tuple[str, int, float, dict], me: str = "z0", stage: int = 0):
+def service_hearing(*beats: tuple[str, int, float, dict], me: str = "z0", stage: int = 0,
+                    substrate: Any = None):
     """A training pipeline service (the testnet's 4-stage manifest) hosting `stage` as
-    `me`, which heard each (peer, stage, seconds ago, more stats) heartbeat."""
+    `me`, which heard each (peer, stage, seconds ago, more stats) heartbeat, its pieces
+    composed over a context of that view (weights fetched over `substrate`)."""
     import node.pipe.service as ps
+    from node.pipe.fetch import WeightsFetcher
     from node.training.rounds import TrainingStats
     from protocols import manifest as mf
     from testnet import launcher
@@ -29,11 +33,13 @@ def service_hearing(*beats: tuple[str, int, float, dict], me: str = "z0", stage:
         membership.heard(Heartbeat(peer, seq=seq + 1, stats={"t": wall - ago, "stage": s,
                                                              "staged": 1, **more}),
                          now=now - ago, wall=wall)
-    service._ctx = node_context(membership=membership, peer_id=me,
-                                config={"peer_ttl_s": 5.0, "heartbeat_s": 1.0},
-                                phases=SimpleNamespace(started=now))
-    service.stage, service.training, service.worker = stage, True, object()
-    service._stop = threading.Event()
+    ctx = node_context(membership=membership, peer_id=me,
+                       config={"peer_ttl_s": 5.0, "heartbeat_s": 1.0},
+                       phases=SimpleNamespace(started=now))
+    service.compose(ctx, WeightsFetcher(substrate, service.state.run_id))  # type: ignore[arg-type]
+    st = service.state
+    st.stage, st.training, st.worker = stage, True, object()
+    st.stop = threading.Event()
     return service
 
 
@@ -45,14 +51,14 @@ def test_a_takeover_is_refused_while_the_stage_s_host_was_heard_lately():
     seed); once that host has been silent past 15 s, it does."""
     others = [("a0", 0, 0.5, {}), ("c2", 2, 0.5, {}), ("d3", 3, 0.5, {})]
     service = service_hearing(*others, ("b1", 1, 7.0, {}))
-    assert service.stage_map()[1] == []
-    service._follow_once()
-    assert service._move_to is None and not service._stop.is_set()
-    assert service.counters["refused: takeover"] == 1
+    assert service.map.rows()[1] == []
+    service.choice.follow_once()
+    assert service.state.move_to is None and not service.state.stop.is_set()
+    assert service.state.counters["refused: takeover"] == 1
 
     service = service_hearing(*others, ("b1", 1, 16.0, {}))
-    service._follow_once()
-    assert service._move_to == 1 and service._stop.is_set()
+    service.choice.follow_once()
+    assert service.state.move_to == 1 and service.state.stop.is_set()
 
 
 def test_a_step_claim_no_trained_peer_confirms_is_not_the_swarm_s():
@@ -68,5 +74,5 @@ def test_a_step_claim_no_trained_peer_confirms_is_not_the_swarm_s():
     # the service: a runaway first stage is not the step the others jump to
     service = service_hearing(("a0", 0, 0.5, {"step": 7055}), ("b1", 1, 0.5, {"step": 251}),
                               ("c2", 2, 0.5, {"step": 250}))
-    service.progress.step = 251
-    assert service.swarm_step() == 251
+    service.state.progress.step = 251
+    assert service.map.swarm_step() == 251

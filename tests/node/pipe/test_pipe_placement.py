@@ -116,7 +116,9 @@ def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
     """The service's claim check follows the micro-batch's visits: with the swap, stage 0
     takes micro-batch 1's activations from stage 1 (its blocks' visit) and gradients from
     stage 3; without it, stage 0 takes no activations at all."""
-    from node.pipe.service import PipelineService
+    from node.pipe.routing import Routing
+    from node.pipe.stage_map import StageMap
+    from node.pipe.state import PipeState
     from node.training.rounds import TrainingStats
     from protocols import manifest as mf
     from protocols import pipeline as pipe
@@ -124,14 +126,15 @@ def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
     text = (REPO / "testnet" / "pipeline_manifest.toml").read_text()
     for recovery, swapped in (("checkfree+", True), ("checkfree", False)):
         m = mf.parse_manifest(text.replace('recovery = "checkfree"', f'recovery = "{recovery}"'))
-        svc = PipelineService(m, "run", TrainingStats())
-        svc.stage = 0
-        svc.stage_map = lambda: [["a"], ["b"], ["c"], ["d"]]
+        state = PipeState(m, "run", TrainingStats())
+        state.stage = 0
+        svc = StageMap(node_context(), state)
+        svc.rows = lambda: [["a"], ["b"], ["c"], ["d"]]  # type: ignore[method-assign]
 
         def header(kind: str, mb: int, hop: int) -> pipe.MessageHeader:
             return pipe.MessageHeader(kind, "run", 0, 1, mb, (1, 1, 1), hop)
 
-        assert ("act" in svc._expect().kinds) is swapped
+        assert ("act" in Routing(node_context(), state, svc).expect().kinds) is swapped
         if swapped:
             assert svc.claim("b", header("act", 1, 2)) is None
             assert svc.claim("d", header("grad", 1, 2)) is None
@@ -147,23 +150,25 @@ def test_with_checkfree_plus_an_edge_stage_takes_activations_from_its_partner():
 def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkeypatch):
     """A replacement joining seconds after a host died hears the dead host's last
     heartbeat from gossip's history among its peers' fresh ones; its stage choice must not
-    count it (PipelineService.live(first_choice=True)). Heartbeats all held back alike (a
+    count it (StageMap.live(first_choice=True)). Heartbeats all held back alike (a
     loaded relay) still count."""
     import time
     from types import SimpleNamespace
 
-    import node.pipe.service as ps
+    import node.pipe.stage_map as sm
     from node.membership.view import Membership
+    from node.pipe.state import PipeState
     from node.training.rounds import TrainingStats
     from protocols import manifest as mf
     from protocols.heartbeat import Heartbeat
     from testnet import launcher
 
     wall = 1_000_000.0
-    monkeypatch.setattr(ps, "time", SimpleNamespace(time=lambda: wall,
+    monkeypatch.setattr(sm, "time", SimpleNamespace(time=lambda: wall,
                                                     monotonic=time.monotonic))
     m = mf.load_manifest_file(launcher.scenario_manifest_path("pipeline"))
-    service = ps.PipelineService(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
+    state = PipeState(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
+    service = sm.StageMap(node_context(), state)
 
     def view(*beats: tuple[str, float]) -> list[str]:
         """Who is live after hearing these (peer, written seconds ago) heartbeats now."""
@@ -171,7 +176,7 @@ def test_a_heartbeat_a_ttl_older_than_the_freshest_is_no_evidence_of_life(monkey
         for peer, ago in beats:
             membership.heard(Heartbeat(peer, seq=1, stats={"t": wall - ago, "stage": 0}),
                              wall=wall)
-        service._ctx = node_context(membership=membership, config={"peer_ttl_s": 5.0})
+        service.ctx = node_context(membership=membership, config={"peer_ttl_s": 5.0})
         return sorted(e.peer_id for e in service.live(first_choice=True))
 
     assert view(("dead", 7.0)) == ["dead"]  # nothing fresher heard yet: it may be alive
@@ -207,25 +212,27 @@ def test_a_lost_replica_leaves_the_routes_within_a_ttl_and_the_survivor_waits_fo
     stage-1 host expects both first-stage replicas' micro-batches each step."""
     import time
 
-    import node.pipe.service as ps
     from node.membership.view import Membership
+    from node.pipe.routing import Routing
+    from node.pipe.stage_map import StageMap
+    from node.pipe.state import PipeState
     from node.training.rounds import TrainingStats
     from protocols import manifest as mf
     from protocols.heartbeat import Heartbeat
     from testnet import launcher
 
     m = mf.load_manifest_file(launcher.scenario_manifest_path("pipeline"))
-    service = ps.PipelineService(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
-    n, per_step = service.n, service.M
+    state = PipeState(m, mf.run_id(mf.canonical_bytes(m)), TrainingStats())
+    n, per_step = state.n, state.M
     membership = Membership("s1a", ttl_s=5.0)
     now, wall = time.monotonic(), time.time()
     for peer, stage, ago in [("s0a", 0, 0), ("s0b", 0, 0), ("s1b", 1, 5.5)] + [
             (f"s{s}{x}", s, 0) for s in range(2, n) for x in "ab"]:
         membership.heard(Heartbeat(peer, seq=1, stats={"t": wall, "stage": stage}),
                          now=now - ago, wall=wall)
-    service._ctx = node_context(membership=membership, peer_id="s1a",
-                                config={"peer_ttl_s": 5.0})
-    service.stage = 1
-    smap = service.stage_map()
+    ctx = node_context(membership=membership, peer_id="s1a", config={"peer_ttl_s": 5.0})
+    state.stage = 1
+    stage_map = StageMap(ctx, state)
+    smap = stage_map.rows()
     assert smap[1] == ["s1a"] and smap[0] == ["s0a", "s0b"]
-    assert service._arrivals(3) == 2 * per_step
+    assert Routing(ctx, state, stage_map).arrivals(3) == 2 * per_step

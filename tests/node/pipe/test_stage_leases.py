@@ -152,15 +152,15 @@ def leased_service(*beats, claims_of: dict[str, tuple[int, int]], stage: int = 0
     made-up ids, claims by real keys: the claims alone decide the lease rule here)."""
     signer = Signer(bytes([9]) * 32)
     service = service_hearing(*beats, me=signer.peer_id, stage=stage)
-    me = service._ctx.peer_id
+    me = service.map.ctx.peer_id
     doc = RunDocument(RUN, signer, [])
     for i, (s, at) in enumerate(claims_of.values()):
         writer = Node(10 + i, 4)
         writer.lease.hold(s, at)
         for delta in writer.out:
             assert not doc.merge(delta, at).rejected
-    service.lease = StageLease(doc, me, 4, lambda d: None)
-    service._ctx.run = SimpleNamespace(document=doc)
+    service.map.lease = StageLease(doc, me, 4, lambda d: None)
+    service.map.ctx.run = SimpleNamespace(document=doc)
     return service
 
 
@@ -176,19 +176,19 @@ def test_a_takeover_is_refused_while_the_stage_s_lease_is_live():
     now = int(time.time() * 1000)
     service = leased_service(*others, ("0b1", 1, 16.0, {}),
                              claims_of={"0b1": (1, now - 5000)})
-    service._follow_once()
-    assert service._move_to is None and not service._stop.is_set()
-    assert service.counters["refused: takeover (lease)"] == 1
-    assert service.lease.bid is None
+    service.choice.follow_once()
+    assert service.state.move_to is None and not service.state.stop.is_set()
+    assert service.state.counters["refused: takeover (lease)"] == 1
+    assert service.map.lease.bid is None
 
     expired = {"0b1": (1, now - LEASE_MS - 1000)}
     service = leased_service(*others, ("0b1", 1, 16.0, {}), claims_of=expired)
-    service._follow_once()  # no live claim: a bid, no move yet
-    assert service.lease.bid == 1 and service._move_to is None
+    service.choice.follow_once()  # no live claim: a bid, no move yet
+    assert service.map.lease.bid == 1 and service.state.move_to is None
     service = leased_service(*others, ("0b1", 1, 16.0, {}), claims_of=expired)
-    service.lease.place_bid(1, now - int(BID_S * 1000) - 1)  # a bid placed BID_S ago
-    service._follow_once()
-    assert service._move_to == 1 and service._stop.is_set()
+    service.map.lease.place_bid(1, now - int(BID_S * 1000) - 1)  # a bid placed BID_S ago
+    service.choice.follow_once()
+    assert service.state.move_to == 1 and service.state.stop.is_set()
 
 
 
@@ -215,19 +215,20 @@ async def test_a_stopping_service_frees_its_stage_at_once(autojump_clock):
 
     service = leased_service(("0a0", 0, 0.5, {}), claims_of={})
     now = int(time.time() * 1000)
-    service.lease.hold(2, now)
+    lease = service.map.lease
+    lease.hold(2, now)
     other = Node(20, 4)
-    doc = service.lease.doc
+    doc = lease.doc
 
     def sync() -> None:  # what gossip would carry from the service's document to another
         assert not other.doc.merge(doc.encode_delta(doc.entries("stage/")), now + 2).rejected
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(service._hold_lease)
+        nursery.start_soon(service.choice.hold_lease)
         await trio.sleep(60)  # virtual: the task loops, renewing when due
         sync()
-        assert other.agreed(now + 3) == {service.lease.me: 2}
+        assert other.agreed(now + 3) == {lease.me: 2}
         nursery.cancel_scope.cancel()
-    assert service.lease.claims(now + 1) == [] and service.lease.stage is None
+    assert lease.claims(now + 1) == [] and lease.stage is None
     sync()
     assert other.agreed(now + 3) == {}  # free at once, 15 s of lease left unused
