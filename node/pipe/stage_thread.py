@@ -26,6 +26,7 @@ from node.pipe.replica_averaging import ReplicaAveraging
 from node.pipe.routing import Routing
 from node.pipe.stage_map import StageMap
 from node.pipe.state import PipeState
+from node.process.trainer_thread import run_trainer_thread
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
     from node.service import NodeContext
 
 log = logging.getLogger("node.pipeline")
-
-JOIN_TIMEOUT_S = 30.0
-
 
 class StageThread:
     def __init__(self, ctx: NodeContext, state: PipeState, stage_map: StageMap,
@@ -70,8 +68,6 @@ class StageThread:
     async def _run_worker(self) -> None:
         st = self.state
         token = trio.lowlevel.current_trio_token()
-        failure: list[BaseException] = []
-        done = trio.Event()
         st.stop = threading.Event()
 
         def post(to: tuple, kind: str, stage: int, step: int, mb: int, hop: int,
@@ -105,22 +101,9 @@ class StageThread:
             except BaseException as e:
                 st.progress.phase = "failed"
                 st.progress.error = f"{type(e).__name__}: {e}"
-                failure.append(e)
-            finally:
-                with contextlib.suppress(trio.RunFinishedError):
-                    trio.from_thread.run_sync(done.set, trio_token=token)
+                raise
 
-        thread = threading.Thread(target=main, daemon=True, name="peertrain-stage")
-        thread.start()
-        try:
-            await done.wait()
-        finally:
-            worker.stop.set()
-            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
-                waited.shield = True
-                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
-        if failure:
-            raise failure[0]
+        await run_trainer_thread(main, worker.stop, "peertrain-stage")
 
     def build_worker(self, post: Callable[..., None]) -> StageWorker:
         """In the trainer thread: the stage from the run's seed, its runner, its data."""

@@ -68,6 +68,7 @@ from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
 from node.ml.types import aggregating, compressing
 from node.process.priority import lower_session_priority, lower_thread_priority
+from node.process.trainer_thread import run_trainer_thread
 from node.training.rounds import (
     Boundary,
     Compressed,
@@ -88,9 +89,6 @@ if TYPE_CHECKING:
     Pending = dict[int, torch.Tensor]  # round -> θ_r, the snapshot awaiting its outcome
 
 log = logging.getLogger("node.training")
-
-
-JOIN_TIMEOUT_S = 30.0  # a stop waits this long for the trainer's current step
 
 
 def _build_at_node_priority(build: Callable[[], Built]) -> Built:
@@ -215,49 +213,38 @@ class TrainingService:
                                     round(time.monotonic() - ctx.phases.started, 3))
 
     async def _train_in_thread(self, task_status: trio.TaskStatus[None]) -> None:
-        send, receive = trio.open_memory_channel[Boundary | Snapshot | BaseException | None](16)
+        """The trainer thread (node/process/trainer_thread.py) hands boundaries and
+        checkpoint snapshots over in order; each exchange and each write runs as a task.
+        The thread's own exception is raised here, outside the nursery: the caller gets
+        the trainer's error, not an ExceptionGroup around it."""
+        send, receive = trio.open_memory_channel[Boundary | Snapshot](16)
         token = trio.lowlevel.current_trio_token()
 
-        def post(item: Boundary | Snapshot | BaseException | None) -> None:
+        def post(item: Boundary | Snapshot) -> None:
             with contextlib.suppress(trio.RunFinishedError, trio.WouldBlock,
                                      trio.BrokenResourceError, trio.ClosedResourceError):
                 trio.from_thread.run_sync(send.send_nowait, item, trio_token=token)
 
-        thread = threading.Thread(target=self._thread_main, args=(post,), daemon=True,
-                                  name="peertrain-trainer")
-        thread.start()
-        task_status.started()
-        failure: BaseException | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                async for item in receive:
-                    if item is None:
-                        break
-                    if isinstance(item, BaseException):
-                        # raised below, outside the nursery: the caller gets the trainer's
-                        # own exception, not an ExceptionGroup around it
-                        failure = item
-                        break
-                    if isinstance(item, Snapshot):
-                        if self._on_snapshot is not None:
-                            nursery.start_soon(self._on_snapshot, item)
-                        continue
+        async def hand_over(nursery: trio.Nursery) -> None:
+            async for item in receive:
+                if isinstance(item, Snapshot):
+                    if self._on_snapshot is not None:
+                        nursery.start_soon(self._on_snapshot, item)
+                else:
                     nursery.start_soon(self._run_exchange, item)
-                nursery.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
-        finally:
-            self._stop.set()
-            # The thread finishes its current step (a fraction of a second) and exits. Wait
-            # for it even when cancelled (SIGINT/SIGTERM): unshielded, to_thread.run_sync
-            # raises Cancelled at once and the interpreter then tears down under a daemon
-            # thread still inside torch, which aborts the process ("terminate called without
-            # an active exception", exit 134).
-            with trio.move_on_after(JOIN_TIMEOUT_S) as waited:
-                waited.shield = True
-                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
-            if thread.is_alive():
-                log.error("the trainer thread did not stop within %g s", JOIN_TIMEOUT_S)
+
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hand_over, nursery)
+            task_status.started()
+            try:
+                await run_trainer_thread(lambda: self._thread_main(post), self._stop,
+                                         "peertrain-trainer")
+            except Exception as e:
+                failure = e
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     async def _run_exchange(self, boundary: Boundary) -> None:
         if self._exchange is None:
@@ -285,11 +272,10 @@ class TrainingService:
             if self._run_ctx is not None:
                 self._run_ctx.outer = outer  # read by SybilWall's history gossip
             self._train(trainer, outer, inner_steps, post)
-            post(None)
-        except BaseException as e:  # surfaces in the trio task, which logs it
+        except BaseException as e:  # raised in the trio task, which logs it
             self.stats.phase = "failed"
             self.stats.error = f"{type(e).__name__}: {e}"
-            post(e)
+            raise
 
     def _train(self, trainer: LocalTrainer, outer: OuterOptimizer | None, inner_steps: int,
                post: Callable[[Any], None]) -> None:
