@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from node.run.rundoc_sync import own_announce
+
 FRAME_OVERHEAD = 2 + 16 + 12  # Noise length + AEAD tag, Yamux frame header
 RUN_ID = "Qm" + "x" * 44  # a run id is a base58 sha2-256 multihash: 46 characters
 SEED = bytes(range(32))  # a fixed key: the sizes never depend on randomness
@@ -83,10 +85,11 @@ def measure() -> Sizes:
 
     doc = rundoc.RunDocument(RUN_ID, signer, [me])
     now = 1_795_000_000_000
-    own = {"addrs": list(addrs), "role": "node", "device": "cuda", "stats": stats,
-           "last_seen": now}
-    for name, value in own.items():
-        doc.set(f"peer/{me}/{name}", value, now)
+    # the node's own announce (RunDocSync: one `info` entry and `last_seen`)
+    own = own_announce(me, {"addrs": list(addrs), "role": "node", "device": "cuda",
+                            "stats": stats}, now)
+    for key, value in own.items():
+        doc.set(key, value, now)
     doc.set(rundoc.ckpt_key(me, "Qm" + "c" * 44),
             {"hash": "Qm" + "c" * 44, "step": 4200, "size": 100 << 20}, now)
     announce = doc.encode_delta([e for e in doc.entries() if e.key.split("/")[2] != "ckpt"])
