@@ -63,6 +63,9 @@ class Membership:
     # want_peers, close past max_peers), which sets IHAVE's targets; 0: the old model's
     # fixed 2 x want_peers connections.
     max_peers: int = 0
+    # Who re-provides the run key each reprovide_s: 0, every member (before issue 30); k,
+    # the node's rendezvous sample of k members (node/run/providers.py), joiners once.
+    providers: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "idontwant_min_bytes": (0, 1 << 30), "relay_mbit": (0.01, 1e5), "per_hour": (0, 100),
     "crash_share": (0, 1), "size_mb": (1e-3, 1e6), "every_rounds": (1, 100_000),
     "seed": (0, 2**63 - 1), "gc_horizon_s": (0, 1e7), "max_peers": (0, 100_000),
+    "providers": (0, 100_000),
 }
 
 

@@ -46,6 +46,10 @@ from testnet.sim.sizes import Sizes, avg_session_bytes, measure
 MBIT = 1e6 / 8
 PUNCH_S = 5.5  # measured time to a punched or relayed path (docs/benchmarks.md, reach)
 K_BUCKET, ALPHA = 20, 3  # Kademlia's k and α (py-libp2p's defaults)
+# An averaging partner not already connected is dialed on demand (node/membership/redial.py
+# dial_partner): TCP, Noise XX and the muxer's negotiation, about 4 round trips and 8
+# messages each way before the exchange's own.
+DIAL_RTTS, DIAL_MSGS = 4, 8
 #: Inbound gossip messages per second a Python node can take while it trains: ~1.8 ms of
 #: CPU each (p2p/gossipsub.py: 4 idle nodes spent 2.6-2.8 CPU s/min on ~25 messages/s in),
 #: so 100/s is ~18% of one core, the most a trainer's trio thread can give up.
@@ -98,6 +102,7 @@ class Result:
     doc_entries: int = 0  # at the end of the run
     doc_peak: int = 0  # the most at any round boundary
     doc_compacted: int = 0  # entries dropped by compaction (gc_horizon_s > 0)
+    partner_dial_share: float = 0.0  # of a round's partners, those dialed on demand
     heartbeat_interval_s: float = 0.0  # the policies' intervals at the run's size
     announce_interval_s: float = 0.0
     gc_horizon_s: float = 0.0  # 0: no compaction
@@ -193,7 +198,15 @@ class Swarm:
         hs = np.bincount(G, weights=nat >= NAT_KINDS.index("home"), minlength=n)
         relayed = (sym >= 1) & (hs >= 2)
         bw = np.where(relayed, np.minimum(bw, self.sc.network.relay_mbit * MBIT), bw)
-        return 4 * lat1 + self.model_bytes / bw
+        return 4 * lat1 + self.model_bytes / bw + self.dial_share() * DIAL_RTTS * 2 * lat1
+
+    def dial_share(self) -> float:
+        """Of a round's partners, the share not already connected, so dialed first:
+        partners come from the whole live view (node.ml.optim.pairing over the view), a
+        node holds `connections` of the others (at the run's size; the expected cost is
+        added to each group's exchange)."""
+        n = self.sc.peers
+        return max(0.0, 1 - self.connections(n) / (n - 1)) if n > 1 else 0.0
 
     def _grow(self) -> None:
         """Double every per-peer array (churn brought more peers than first guessed)."""
@@ -346,11 +359,25 @@ class Swarm:
         # everybody's ADD_PROVIDER: the busiest.
         hops = 1 + max(0, math.ceil(math.log2(max(n, 2) / K_BUCKET)))
         lookup = ALPHA * hops
-        tr.msgs["dht"] = (lookup + min(K_BUCKET, n - 1)) / m.reprovide_s
-        tr.bytes["dht"] = (lookup * (s.dht_request + s.dht_reply)
-                           + min(K_BUCKET, n - 1) * s.add_provider) / m.reprovide_s
-        # each of them receives every other peer's ADD_PROVIDER once per reprovide_s
-        tr.msgs_max["dht"] = tr.msgs["dht"] + (n - 1) / m.reprovide_s
+        # Before issue 30 every member re-provides; with `providers` set, the node's
+        # rendezvous sample (node/run/providers.py) does, and each joiner provides once.
+        joins_per_s = sc.churn.per_hour * n / 3600
+        if m.providers:
+            per_window = policies.providers(n, m.providers) + joins_per_s * m.reprovide_s
+        else:
+            per_window = float(n)
+        share = min(1.0, per_window / max(n, 1))  # of the members that provide per window
+        tr.msgs["dht"] = share * (lookup + min(K_BUCKET, n - 1)) / m.reprovide_s
+        tr.bytes["dht"] = share * (lookup * (s.dht_request + s.dht_reply)
+                                   + min(K_BUCKET, n - 1) * s.add_provider) / m.reprovide_s
+        # each of them receives every other provider's ADD_PROVIDER once per reprovide_s
+        tr.msgs_max["dht"] = tr.msgs["dht"] + max(0.0, per_window - 1) / m.reprovide_s
+        # on-demand dials of partners not connected: each round, both ends of each pair
+        partners = sc.training.group_size - 1
+        tr.msgs["partner dials"] = self.dial_share() * partners * DIAL_MSGS / \
+            self._round_s_guess()
+        tr.msgs_max["partner dials"] = tr.msgs["partner dials"]
+        tr.bytes["partner dials"] = tr.msgs["partner dials"] * 200  # handshake messages
         return tr
 
     # -- the run -------------------------------------------------------------------------------
@@ -444,6 +471,7 @@ class Swarm:
         res.announce_interval_s = self.announce_policy(n0, sc.membership.announce_s)
         res.gc_horizon_s = self.gc_horizon_s(n0)
         res.connections = self.connections(n0)
+        res.partner_dial_share = self.dial_share()
         res.wall_s = time.perf_counter() - started
         res.cpu_s = time.process_time() - cpu
         return res
