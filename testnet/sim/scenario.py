@@ -19,6 +19,7 @@ from typing import Any
 SCHEMA = 1
 NAT_KINDS = ("public", "fullcone", "home", "symmetric")
 PROVISIONS = ("newest", "holders")
+SHAPES = ("info", "fields")  # membership.announce_shape
 
 
 class ScenarioError(ValueError):
@@ -66,6 +67,9 @@ class Membership:
     # Who re-provides the run key each reprovide_s: 0, every member (before issue 30); k,
     # the node's rendezvous sample of k members (node/run/providers.py), joiners once.
     providers: int = 0
+    # A peer's own run-document entries: "info" (the node's: info + last_seen, 3 kept with
+    # a checkpoint) or "fields" (before issue 30: a key per field, 6 kept).
+    announce_shape: str = "info"
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,9 @@ def parse(text: str, path: str = "<string>") -> Scenario:
     if m.max_peers and m.max_peers < m.want_peers:
         raise _err(path, "membership.max_peers",
                    f"{m.max_peers} is under want_peers ({m.want_peers}); 0 for the old model")
+    if m.announce_shape not in SHAPES:
+        raise _err(path, "membership.announce_shape",
+                   f"expected one of {', '.join(SHAPES)}, got {m.announce_shape!r}")
     if (prov := scenario.checkpoint.provision) not in PROVISIONS:
         raise _err(path, "checkpoint.provision",
                    f"expected one of {', '.join(PROVISIONS)}, got {prov!r}")

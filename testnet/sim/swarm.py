@@ -140,6 +140,12 @@ class Swarm:
         self.rng = np.random.default_rng(sc.seed)
         self.gen = torch.Generator().manual_seed(sc.seed)
         self.sizes: Sizes = measure()
+        # a peer's run-document entries and announce: the node's, or a key per field
+        sz = self.sizes
+        fields = sc.membership.announce_shape == "fields"
+        self.per_peer = sz.entries_per_peer_fields if fields else sz.entries_per_peer
+        self.announce_bytes = sz.announce_fields if fields else sz.announce
+        self.entry_bytes = sz.entry_fields if fields else sz.entry
         hours = sc.rounds * self._round_s_guess() / 3600
         cap = int(sc.peers * (1 + 1.5 * sc.churn.per_hour * hours)) + 64
         self.cap = cap
@@ -159,7 +165,7 @@ class Swarm:
         self.joined_at = np.full(cap, np.inf)
         self.first_avg = np.full(cap, np.inf)
         self.count = 0
-        self.doc = DocModel(self.sizes.entries_per_peer)
+        self.doc = DocModel(self.per_peer)
         self.last_compact = 0.0
         t = sc.training
         self.a = torch.linspace(0.2, 1.0, t.dim)  # curvatures: condition number 5
@@ -268,7 +274,7 @@ class Swarm:
         hops = 1 + max(0, math.ceil(math.log2(n / K_BUCKET)))
         dht = hops * rtt
         connect = 2 * rtt + (PUNCH_S if NAT_KINDS[self.nat[i]] in ("home", "symmetric") else 0)
-        doc_bytes = self._doc_entries(n) * self.sizes.entry
+        doc_bytes = self._doc_entries(n) * self.entry_bytes
         deltas = max(1, math.ceil(doc_bytes / (1 << 20)))
         holder_bw = float(np.median(self.bw[:max(self.count, 1)]))
         sync = deltas * rtt + doc_bytes / min(self.bw[i], holder_bw)
@@ -279,8 +285,8 @@ class Swarm:
         """Entries a replica holds now: the modelled document when it compacts, else six
         per peer ever seen (nothing leaves)."""
         if self.sc.membership.gc_horizon_s > 0:
-            return max(len(self.doc), n * self.sizes.entries_per_peer)
-        return max(self.count, n) * self.sizes.entries_per_peer
+            return max(len(self.doc), n * self.per_peer)
+        return max(self.count, n) * self.per_peer
 
     def connections(self, n: int) -> float:
         """Connections per node: the old model's 2 x want_peers, or with max_peers set what
@@ -331,7 +337,7 @@ class Swarm:
         # announces are >= 1 KiB: IDONTWANT applies (the announce flood was traced with it)
         tr.msgs["rundoc gossip"] = ann_rate * self.announce_copies
         tr.msgs_max["rundoc gossip"] = ann_rate * self.announce_copies_max
-        tr.bytes["rundoc gossip"] = tr.msgs["rundoc gossip"] * s.announce
+        tr.bytes["rundoc gossip"] = tr.msgs["rundoc gossip"] * self.announce_bytes
         # IHAVE: every gossipsub heartbeat, per topic, to max(lazy, 25% of the non-mesh
         # connected peers), listing every message id of the last `window` heartbeats.
         conns = round(self.connections(n))
@@ -346,10 +352,10 @@ class Swarm:
         # one (summary in, delta+summary out, delta in). A bucket differs when an entry in
         # it was rewritten within the announce's spread time.
         entries = self._doc_entries(n)
-        in_flight = n * (s.entries_per_peer - 1) * f.t99 / ann_s
+        in_flight = n * (self.per_peer - 1) * f.t99 / ann_s
         differing = 1024 * (1 - math.exp(-in_flight / 1024)) if entries else 0
         per_bucket = entries / 1024
-        delta = min(1 << 20, differing * per_bucket * s.entry)
+        delta = min(1 << 20, differing * per_bucket * self.entry_bytes)
         summary = min(s.summary, 64 + 10 * min(1024, entries))
         tr.msgs["anti-entropy"] = 4 / m.anti_entropy_s
         tr.msgs_max["anti-entropy"] = 4 / m.anti_entropy_s
@@ -402,7 +408,7 @@ class Swarm:
         lat, bw = self.lat[:n0], self.bw[:n0]
         self.flood = gossip.trace(adj, lat, bw, self.sizes.heartbeat,
                                   sc.gossip.idontwant_min_bytes, sc.gossip.floods, self.rng)
-        ann = gossip.trace(adj, lat, bw, self.sizes.announce, sc.gossip.idontwant_min_bytes,
+        ann = gossip.trace(adj, lat, bw, self.announce_bytes, sc.gossip.idontwant_min_bytes,
                            sc.gossip.floods, self.rng)
         self.announce_copies, self.announce_copies_max = ann.copies_mean, ann.copies_max
         res.flood, res.write_t99_s = self.flood, ann.t99

@@ -11,7 +11,7 @@ import protocols.heartbeat as heartbeat
 import protocols.rundoc as rundoc
 from node.run.rundoc_sync import ANNOUNCE_TARGET_PER_S
 from testnet.sim import document, experiments, policies
-from testnet.sim.bench import NODE_SCENARIO
+from testnet.sim.bench import DEFAULT_SCENARIO, NODE_SCENARIO
 from testnet.sim.document import document_under_churn
 from testnet.sim.experiments import checkpoint_burst
 from testnet.sim.scenario import Scenario, ScenarioError, load, parse
@@ -144,8 +144,8 @@ def test_two_entries_a_peer_keep_10000_peers_under_the_document_cap() -> None:
     3): at 10,000 peers with the stretched horizon (10,000 s) and 10%/h churn the document
     stays under its cap (6 a peer passed it near 9,000 peers). Four hours of churn: past
     the horizon, so departures leave as fast as they come."""
-    per = Swarm(load(NODE_SCENARIO)).sizes.entries_per_peer
-    assert per == 3
+    per = Swarm(load(NODE_SCENARIO)).per_peer
+    assert per == 3 and Swarm(load(DEFAULT_SCENARIO)).per_peer == 6
     d = document_under_churn(10_000, 0.1, 4.0, per, policies.gc_horizon_s(
         10_000, 2.0, 3600.0), seed=1)
     assert d.peak < d.cap and d.peak <= per * 10_000 * (1 + 0.1 * 10_000 / 3600 * 1.5)
@@ -155,6 +155,7 @@ def test_two_entries_a_peer_keep_10000_peers_under_the_document_cap() -> None:
     ("schema = 1\n[membership]\nmax_peers = 4\n", "membership.max_peers: 4 is under"),
     ("schema = 1\n[checkpoint]\nprovision = \"all\"\n", "checkpoint.provision: expected one"),
     ("schema = 1\n[membership]\nannounce_policy = \"nope\"\n", "membership.announce_policy"),
+    ("schema = 1\n[membership]\nannounce_shape = \"one\"\n", "membership.announce_shape"),
 ])
 def test_new_keys_are_checked(text: str, message: str) -> None:
     with pytest.raises(ScenarioError, match=message):
