@@ -285,6 +285,12 @@ TEMPLATE = """\
 # Never hole-punch a relayed peer (docs/nat.md); the relay, or WebRTC, carries it:
 # no-punch = false
 # join-timeout = 30.0
+# Large runs (docs/operator.md): heartbeats a second to receive at most, run members to
+# keep connected, connections to keep at most, seconds a departed peer stays documented:
+# heartbeat-target = 50.0
+# want-peers = 8
+# max-peers = 32
+# rundoc-horizon = 3600.0
 # no-train = false
 # data = ["/path/to/my/texts"]
 
