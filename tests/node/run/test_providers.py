@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.run.providers import (
+    EPOCH_S,
     PROVIDERS,
     epoch_of,
     provider_sample,
@@ -56,3 +57,59 @@ def test_a_joiner_with_an_empty_view_provides_and_weights_are_stable():
     assert provider_weight(RUN, 3, "me") != provider_weight(RUN, 4, "me")
     with pytest.raises(ValueError):
         should_provide(RUN, 3, "me", [], k=-1)
+
+
+async def test_a_member_provides_at_the_join_then_only_while_in_the_sample(autojump_clock):
+    """ManifestService.provide_sampled: provide at once (a joiner's view is empty), then
+    each reprovide_s follow the sample of the live view: out of it, stop re-providing;
+    back in it (the view shrank, the epoch turned), provide again."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from node.run.manifest import ManifestService, run_key
+    from tests.conftest import node_context
+
+    me = "12D3KooWme"
+    others = [f"12D3KooW{i:04d}" for i in range(100)]
+    view: list[str] = []
+    calls: list[str] = []
+
+    class Dht:
+        def __init__(self) -> None:
+            self.reprovide_interval = 0.0
+            self.provided: set[str] = set()
+
+        async def provide(self, key: str) -> None:
+            calls.append("provide")
+            self.provided.add(key)
+
+        def stop_providing(self, key: str) -> None:
+            calls.append("stop")
+            self.provided.discard(key)
+
+        def providing(self, key: str) -> bool:
+            return key in self.provided
+
+    dht = Dht()
+    ctx = node_context(substrate=SimpleNamespace(dht=dht), peer_id=me,
+                       membership=SimpleNamespace(live_peers=lambda: list(view)),
+                       config={"reprovide_s": 30.0})
+    # an epoch in which `me` is outranked by 20 of the others, and one in which it is not
+    out = next(e for e in range(1000) if not should_provide(RUN, e, me, others))
+    inn = next(e for e in range(1000) if should_provide(RUN, e, me, others))
+    epoch = [out]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: ManifestService().provide_sampled(
+            ctx, RUN, clock=lambda: epoch[0] * EPOCH_S))
+        await trio.sleep(1)
+        assert calls == ["provide"] and dht.providing(run_key(RUN))
+        view[:] = others
+        await trio.sleep(30)
+        assert calls == ["provide", "stop"] and not dht.providing(run_key(RUN))
+        await trio.sleep(60)
+        assert calls == ["provide", "stop"]  # still out: nothing sent
+        epoch[0] = inn
+        await trio.sleep(30)
+        assert calls == ["provide", "stop", "provide"]
+        nursery.cancel_scope.cancel()
