@@ -136,6 +136,17 @@ def join(
         help="auto, cpu, cuda or cuda:N. Default: auto.", show_default=False)] = None,
     join_timeout: Annotated[float | None, typer.Option(
         help="Seconds to look for the run. Default: 30.", show_default=False)] = None,
+    heartbeat_target: Annotated[float | None, typer.Option(
+        help="Heartbeats a second each node should receive at most; a run of N beats every "
+             "max(1 s, N / this). Default: 50.", show_default=False)] = None,
+    want_peers: Annotated[int | None, typer.Option(
+        help="Run members to keep connected. Default: 8.", show_default=False)] = None,
+    max_peers: Annotated[int | None, typer.Option(
+        help="Connections past which the oldest unprotected are closed. Default: 32.",
+        show_default=False)] = None,
+    rundoc_horizon: Annotated[float | None, typer.Option(
+        help="Seconds after which a departed peer's run-document entries are compacted. "
+             "Default: 3600.", show_default=False)] = None,
     no_train: Annotated[bool | None, typer.Option(
         "--no-train", help="Join without training.", show_default=False)] = None,
     data: Annotated[list[Path] | None, typer.Option(
@@ -176,11 +187,14 @@ def join(
         "mdns": mdns, "device": device, "join_timeout": join_timeout, "no_train": no_train,
         "data": data, "attack": attack, "neighbour": neighbour, "log_level": log_level,
         "metrics": metrics, "no_metrics": no_metrics, "no_upnp": no_upnp,
-        "no_punch": no_punch,
+        "no_punch": no_punch, "heartbeat_target": heartbeat_target, "want_peers": want_peers,
+        "max_peers": max_peers, "rundoc_horizon": rundoc_horizon,
     }, {"bootstrap": [], "state_dir": None, "listen": None, "announce": [], "mdns": True,
         "device": "auto", "join_timeout": 30.0, "no_train": False, "data": [], "attack": None,
         "neighbour": [], "log_level": "info", "metrics": None, "no_metrics": False,
-        "no_upnp": False, "no_punch": False})
+        "no_upnp": False, "no_punch": False, "heartbeat_target": NodeConfig.heartbeat_target_per_s,
+        "want_peers": NodeConfig.want_peers, "max_peers": NodeConfig.max_peers,
+        "rundoc_horizon": NodeConfig.rundoc_horizon_s})
     if ticket_addrs:
         v["bootstrap_from"] = "--bootstrap and the ticket" if bootstrap else "the ticket"
         v["bootstrap"] = [*(bootstrap or []), *ticket_addrs]
@@ -189,6 +203,8 @@ def join(
     if attack not in (None, "label-flip", "backdoor"):
         raise fail(f"--attack {attack}: expected label-flip or backdoor", 2)
     join_timeout = checks.positive_seconds("--join-timeout", v["join_timeout"])
+    scale = checks.scale(v["heartbeat_target"], v["want_peers"], v["max_peers"],
+                         v["rundoc_horizon"])
     listen = checks.listen_addrs(v["listen"])
     log_level = checks.log_level(v["log_level"])
     boot = parse_peer_addrs(v["bootstrap"], v["bootstrap_from"])
@@ -208,7 +224,7 @@ def join(
         listen=listen, announce=announce_addrs(v["announce"]), mdns=v["mdns"], device=device,
         join_timeout_s=join_timeout, train=not v["no_train"], data=files, attack=attack,
         neighbours=list(v["neighbour"]), upnp=not v["no_upnp"], punch=not v["no_punch"],
-        **metrics_at)
+        **scale, **metrics_at)
     run_async(lambda: run_node(node_config))
 
 

@@ -62,6 +62,10 @@ Addrs = Annotated[list[Addr], Field(max_length=64)]
 PeerAddrs = Annotated[list[PeerAddr], Field(max_length=64)]
 Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
 Seconds = Annotated[float, Field(gt=0, le=86400)]
+# The scale keys (node/config.py): bounds an operator cannot mean past, checked again by the
+# CLI (max-peers >= want-peers needs both values, so it is checked there).
+PerSecond = Annotated[float, Field(gt=0, le=100_000)]
+Peers = Annotated[int, Field(ge=0, le=100_000)]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -88,6 +92,11 @@ class JoinKeys(CommonKeys):
     no_punch: bool | None = Field(None, alias="no-punch")
     device: Annotated[str, Field(min_length=1, max_length=32)] | None = None
     join_timeout: Seconds | None = Field(None, alias="join-timeout")
+    heartbeat_target: PerSecond | None = Field(None, alias="heartbeat-target")
+    want_peers: Peers | None = Field(None, alias="want-peers")
+    max_peers: Annotated[int, Field(ge=1, le=100_000)] | None = Field(None, alias="max-peers")
+    rundoc_horizon: Annotated[float, Field(gt=0, le=365 * 86400)] | None = Field(
+        None, alias="rundoc-horizon")
     no_train: bool | None = Field(None, alias="no-train")
     data: Annotated[list[Path_], Field(max_length=4096)] | None = None
     attack: Literal["label-flip", "backdoor"] | None = None
@@ -276,6 +285,12 @@ TEMPLATE = """\
 # Never hole-punch a relayed peer (docs/nat.md); the relay, or WebRTC, carries it:
 # no-punch = false
 # join-timeout = 30.0
+# Large runs (docs/operator.md): heartbeats a second to receive at most, run members to
+# keep connected, connections to keep at most, seconds a departed peer stays documented:
+# heartbeat-target = 50.0
+# want-peers = 8
+# max-peers = 32
+# rundoc-horizon = 3600.0
 # no-train = false
 # data = ["/path/to/my/texts"]
 

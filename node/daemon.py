@@ -174,6 +174,9 @@ class Node:
                 await nursery.start(service.run, ctx)
             if self.config.run_id is not None:
                 for service in await self._trainer_services():
+                    if (partners := getattr(service, "partners_now", None)) is not None:
+                        # the averager's partners keep their connections past max_peers
+                        self.entry.redialer.protect = partners
                     self.services.append(service)
                     await nursery.start(service.run, ctx)
             ctx.phases.enter("running")
@@ -194,8 +197,9 @@ class Node:
         await self.entry.dial_manifest_bootstrap(list(manifest.network.bootstrap))
         # In the background: a DHT provide is a lookup and a round of ADD_PROVIDER, ~1 s of
         # a testnet node's start that held its first heartbeat; peers find us through the
-        # run's other providers meanwhile.
-        nursery.start_soon(self.manifests.provide, ctx, run_id)
+        # run's other providers meanwhile. Re-provided only while this node is in the
+        # epoch's provider sample (node/run/providers.py): ~20 of N, not all.
+        nursery.start_soon(self.manifests.provide_sampled, ctx, run_id)
         from node.training.rounds import TrainingStats
 
         document = load_document(config.state_dir, run_id, ctx.signer,

@@ -107,6 +107,7 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
     from node.averaging import adapt
     from node.averaging.history_gossip import HistoryGossip
     from node.averaging.service import Averager
+    from node.membership.redial import dial_partner
     from node.training.build import POISON_ROUNDS, neighbours, resume_newest
     from node.training.service import TrainingService
     from protocols import sparse
@@ -129,7 +130,9 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
             after_round=history.after_round if history else None,
             transports=ctx.transports, all_reduce=m.outer.algorithm == "diloco",
             relay_limit=int(m.network.relay_exchange_mb * 1e6),
-            topk_bounds=sparse.bounds_of(m.outer))
+            topk_bounds=sparse.bounds_of(m.outer),
+            dial=lambda peer: dial_partner(ctx.substrate, peer,
+                                           ctx.membership.addresses_of(peer)))
         services.append(averager)
     prebuilt = prep.prebuilt
 

@@ -214,6 +214,10 @@ class DHT:
     def stop_providing(self, key: str) -> None:
         self._provided.discard(key)
 
+    def providing(self, key: str) -> bool:
+        """Whether `key` is re-provided every reprovide_interval."""
+        return key in self._provided
+
     async def find_providers(self, key: str, count: int = 20,
                              timeout: float | None = None) -> list[PeerInfo]:
         """Providers of `key`, local and from the network, one entry per peer: what was found

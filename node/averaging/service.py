@@ -131,7 +131,8 @@ class Averager:
                  transports: Transports | None = None, auto_codec: bool = False,
                  all_reduce: bool = False,
                  relay_limit: int | None = None,
-                 topk_bounds: sparse.Bounds | None = None) -> None:
+                 topk_bounds: sparse.Bounds | None = None,
+                 dial: Callable[[str], Awaitable[object]] | None = None) -> None:
         # This thread's own torch work (bf16/int8 conversion, the NaN check) runs on one
         # core: torch's thread count is per calling thread, and the default (every core)
         # made its OpenMP workers spin against the trainer's. A 100 MB bf16 exchange cost
@@ -141,6 +142,10 @@ class Averager:
         self.run_id = run_id
         self.me = me
         self.members = members
+        # Partners come from the whole live view, not the connected set; as initiator we
+        # connect to one we hold no connection to first (membership.redial.dial_partner).
+        self.dial = dial
+        self._recent: dict[int, list[str]] = {}  # round -> its partners, the last few
         self.codecs = codecs  # what we accept as responder, in our order of preference
         # "topk" (a run with outer.codec = "topk"): frames are checked against these bounds
         self.topk = av.TOPK in codecs
@@ -376,6 +381,7 @@ class Averager:
         numel = int(snapshot.numel())
         partners = [p for p in self.group(r) if self._in_flight[p] < MAX_IN_FLIGHT
                     and not self._kept_off_relay(p, numel)]
+        self._remember(r, partners)
         if not partners:
             return Outcome(r, [])
         results: dict[str, Any] = {}
@@ -486,7 +492,19 @@ class Averager:
             log.info("round %d: exchange with %s failed (%s); local step", r, partner,
                      _reason(e))
 
+    def _remember(self, r: int, partners: list[str]) -> None:
+        self._recent[r] = list(partners)
+        for old in [k for k in self._recent if k < r - 2]:  # bounded: a few rounds kept
+            del self._recent[old]
+
+    def partners_now(self) -> set[str]:
+        """The last few rounds' partners: the redialer's max_peers trim spares them, so a
+        partner dialed on demand keeps its connection through the exchange."""
+        return {p for ps in self._recent.values() for p in ps}
+
     async def _initiate(self, r: int, partner: str, snapshot: Any) -> Any:
+        if self.dial is not None:
+            await self.dial(partner)  # a partner from the view we are not connected to
         stream = await self.transports.open_stream(ID.from_base58(partner), PROTOCOL_ID)
         try:
             # never a lane beside a data channel: it has no address to dial

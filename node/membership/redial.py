@@ -78,6 +78,28 @@ def plan_connections(connected: Collection[str], members: Mapping[str, object], 
     return dial, close
 
 
+async def dial_partner(substrate: Substrate, peer: str, addrs: list[str], *,
+                       timeout_s: float = 5.0, tries: int = 3) -> bool:
+    """Connect to an averaging partner we hold no connection to (issue 30: partners come
+    from the whole live view, and a node keeps ~want_peers of them connected, so most of
+    a round's partners are not): at most `tries` of the addresses its heartbeat or run
+    document entry gave, the first that answers. The redialer's `max_peers` trim spares
+    this round's partners (`protect`), so the connection lasts the exchange; past it the
+    trim closes it like any other. True once connected (or already)."""
+    if any(p.to_base58() == peer for p in substrate.connected_peers()):
+        return True
+    for addr in addrs[:tries]:
+        full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
+        try:
+            await substrate.connect(full, timeout=timeout_s)
+            return True
+        except DialError as e:
+            log.debug("averaging partner %s not reached at %s: %s", peer, addr, e.reason)
+        except ValueError:  # a malformed address in a peer's own entry
+            continue
+    return False
+
+
 @dataclass
 class RedialStats:
     redials: int = 0  # successful dials of a peer we had lost or never reached

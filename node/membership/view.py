@@ -124,7 +124,10 @@ class Membership:
         for key, value in doc.items("peer/"):
             parts = key.split("/", 2)
             if len(parts) == 3 and parts[1] in out and "/" not in parts[2]:
-                out[parts[1]][parts[2]] = value  # not peer/<id>/ckpt/<cid>
+                if parts[2] == "info" and isinstance(value, dict):  # one entry, since #30
+                    out[parts[1]].update(value)
+                else:  # an older node's one key per field; not peer/<id>/ckpt/<cid>
+                    out[parts[1]][parts[2]] = value
         for peer, wall_ms in members.items():
             out[peer]["last_seen_ms"] = wall_ms
         return out
@@ -135,9 +138,11 @@ class Membership:
         out: dict[str, list[str]] = {}
         doc = self.document
         members = doc.members(now_ms(), int(REDIAL_HORIZON_S * 1000)) if doc else {}
-        for peer in members:  # only the addrs entries: N = 10,000 holds 50,000 entries
+        for peer in members:  # only the addresses: N = 10,000 holds 30,000 entries
             assert doc is not None
-            addrs = doc.get(f"peer/{peer}/addrs")
+            info = doc.get(f"peer/{peer}/info")
+            addrs = info.get("addrs") if isinstance(info, dict) else \
+                doc.get(f"peer/{peer}/addrs")  # an older node's own key
             if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
                 out[peer] = addrs
         for e in self.live():
@@ -145,6 +150,19 @@ class Membership:
                 out[e.peer_id] = e.addrs
         out.pop(self.me, None)
         return out
+
+    def addresses_of(self, peer: str) -> list[str]:
+        """Where to dial one peer (an averaging partner): its live heartbeat's addresses,
+        else its run-document entry's; [] when neither is known."""
+        for e in self.live():
+            if e.peer_id == peer and e.addrs:
+                return list(e.addrs)
+        doc = self.document
+        if doc is None:
+            return []
+        info = doc.get(f"peer/{peer}/info")
+        addrs = info.get("addrs") if isinstance(info, dict) else doc.get(f"peer/{peer}/addrs")
+        return [a for a in addrs if isinstance(a, str)] if isinstance(addrs, list) else []
 
     def members_ttl_s(self) -> float:
         """How old a member's last_seen may be for it to be listed: three announces and

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -85,6 +87,29 @@ class ManifestService:
         assert dht is not None
         dht.reprovide_interval = ctx.config.reprovide_s
         await dht.provide(run_key(run_id))
+
+    async def provide_sampled(self, ctx: NodeContext, run_id: str,
+                              clock: Callable[[], float] = time.time) -> None:
+        """A member's provision of the run key: now (a joiner's view is empty, so it is in
+        the sample), then each reprovide_s only while it is in the epoch's rendezvous sample
+        of its live view (node/run/providers.py): ~20 members re-provide, not all N."""
+        from node.run.providers import epoch_of, should_provide
+
+        dht = ctx.substrate.dht
+        assert dht is not None
+        key = run_key(run_id)
+        await self.provide(ctx, run_id)
+        while True:
+            await trio.sleep(ctx.config.reprovide_s)
+            chosen = should_provide(run_id, epoch_of(clock()), ctx.peer_id,
+                                    ctx.membership.live_peers())
+            if chosen and not dht.providing(key):
+                log.info("in this epoch's provider sample of run %s: providing it", run_id)
+                await dht.provide(key)
+            elif not chosen and dht.providing(key):
+                log.info("out of this epoch's provider sample of run %s: the sample "
+                         "provides it", run_id)
+                dht.stop_providing(key)
 
     async def resolve(self, ctx: NodeContext, run_id: str) -> mf.Manifest:
         """The verified manifest of `run_id`: from our store, else from the swarm within

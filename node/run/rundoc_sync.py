@@ -1,6 +1,7 @@
 """Keeps this node's replica of the run document (protocols/rundoc.py) in sync.
 
-* Own entries (`peer/<me>/addrs|role|device|stats|last_seen`) are rewritten every
+* Own entries (`peer/<me>/info`: addrs, role, device, stats in one value, and
+  `peer/<me>/last_seen`, the stamp that lists us as a member) are rewritten every
   `heartbeat_interval_s(view size, announce_s, announce_target_per_s)` (2 s in a small
   run, N / target in a run of N: each node then receives about `announce_target_per_s`
   announces a second however large the run, protocols/heartbeat.py) and gossiped as one
@@ -47,6 +48,33 @@ from protocols.wire import Envelope, encode_envelope
 log = logging.getLogger("node.rundoc")
 
 PROTOCOL_ID = rundoc.PROTOCOL_ID
+#: Own entries written one key each before issue 30: 6 entries a peer (with a checkpoint
+#: entry) put 10,000 peers with 10%/h churn over the document's 65,536-entry cap. Now they
+#: are one `info` entry; a node retires its old ones (tombstones, compacted after the
+#: horizon) and readers take either shape (node/membership/view.py).
+LEGACY_OWN = ("addrs", "role", "device", "stats")
+#: Addresses an `info` entry carries at most (the entry's value is capped at 8 KiB).
+MAX_INFO_ADDRS = 32
+
+
+def own_announce(me: str, info: dict[str, Any], t: int) -> dict[str, Any]:
+    """The entries an announce writes: 2 a peer, whatever `info` holds (the simulator
+    sizes its document with this)."""
+    info = {**info, "addrs": list(info.get("addrs", ()))[:MAX_INFO_ADDRS]}
+    return {f"peer/{me}/info": info, f"peer/{me}/last_seen": t}
+
+
+def retire_legacy(doc: rundoc.RunDocument, me: str, t: int) -> bytes | None:
+    """Delete our own pre-`info` entries still in `doc`; the delta to gossip, or None."""
+    entries = []
+    for name in LEGACY_OWN:
+        key = f"peer/{me}/{name}"
+        e = doc.entry(key)
+        if e is not None and not e.tombstone:
+            doc.delete(key, t)
+            if (gone := doc.entry(key)) is not None:
+                entries.append(gone)
+    return doc.encode_delta(entries) if entries else None
 MAX_FRAME = rundoc.SYNC_LIMITS.max_envelope_bytes  # a delta is at most 1 MiB
 
 
@@ -196,10 +224,11 @@ class RunDocSync:
         me = self.signer.peer_id
         while True:
             t = now_ms()
-            own = {f"peer/{me}/{name}": value
-                   for name, value in {**self.own_entries(), "last_seen": t}.items()}
+            own = own_announce(me, self.own_entries(), t)
             for key, value in own.items():
                 self.doc.set(key, value, t)
+            if (retired := retire_legacy(self.doc, me, t)) is not None:
+                self.publisher.publish_nowait(topic(self.run_id), retired)
             # Only what this loop writes: other own entries (checkpoints) are published when
             # written, and anti-entropy repairs what gossip lost.
             entries = [e for key in own if (e := self.doc.entry(key)) is not None]

@@ -82,7 +82,7 @@ def run(base: Scenario, quick: bool, log: Any = print, node: Scenario | None = N
             horizon = policies.gc_horizon_s(n, m.announce_s, m.gc_horizon_s) \
                 if m.gc_horizon_s > 0 else 0.0
             t0 = time.perf_counter()
-            d = document_under_churn(n, 0.1, hours, Swarm(pol).sizes.entries_per_peer,
+            d = document_under_churn(n, 0.1, hours, Swarm(pol).per_peer,
                                      horizon, pol.seed)
             log(f"document, {n} peers, {hours:g} h of churn 10%/h, {label}: {d.entries:,} "
                 f"entries (peak {d.peak:,}), {time.perf_counter() - t0:.1f} s")
@@ -291,21 +291,26 @@ def _breakpoints(res: dict) -> list[str]:
         d, e = docs[(dn, "node")], docs[(dn, "before")]
         verdict = ("above" if d["peak"] > d["cap"] else "under")
         out.append(
-            f"- Partly moved: the run document. Compaction bounds it (before: every peer ever "
+            f"- Moved: the run document. Compaction bounds it (before: every peer ever "
             f"seen, {e['entries']:,} entries after {e['hours']:g} h at {dn:,} peers, growing "
-            f"without end); bounded it holds the live peers and those gone within the horizon, "
-            f"{d['peak']:,} at {dn:,} peers, {verdict} the {d['cap']:,} cap: the horizon "
-            f"stretches to {d['horizon_s']:,.0f} s there (never under 10 announce intervals), "
-            "so with 10%/h churn the cap is reached from about 9,000 peers. Remains.")
+            f"without end), and a peer now keeps 2 entries (`info`, `last_seen`; 3 with a "
+            f"checkpoint, was 6): it holds the live peers and those gone within the horizon "
+            f"({d['horizon_s']:,.0f} s at {dn:,} peers: never under 10 announce intervals), "
+            f"{d['peak']:,} at most with 10%/h churn, {verdict} the {d['cap']:,} cap "
+            "(about 3 N (1 + N / 36,000) entries, the horizon being N s: the cap is reached near "
+            "15,000 peers; was 9,000).")
     out.append(
-        f"- Remains: DHT provider records. Every peer re-provides the run key every 30 s, so "
-        f"the 20 peers closest to it each take (N - 1) / 30 ADD_PROVIDER a second "
-        f"({(top - 1) / 30:,.0f}/s at {top:,} peers, the `busiest` column). The fix: a "
-        "stable sample provides, a node re-providing only while its rendezvous weight for "
-        "the run (as `holder_weight`) is among the top ~20 / N of its view (bootstraps "
-        "always); a look-up before each re-provide would only move the load to "
-        "GET_PROVIDERS at the same 20 peers. Not done here (node/run/manifest.py, p2p/dht.py's "
-        "re-provide loop, a real-DHT test).")
+        f"- Moved: DHT provider records. Every peer re-provided the run key every 30 s, so "
+        f"the 20 peers closest to it each took (N - 1) / 30 ADD_PROVIDER a second "
+        f"({b['msgs_max']['dht']:,.0f}/s at {top:,} peers, the `busiest` column); now a "
+        "rendezvous sample of 20 members per epoch re-provides (node/run/providers.py) and "
+        f"each joiner provides once: {n['msgs_max']['dht']:.1f}/s at the busiest.")
+    if "partner dials" in n["msgs"]:
+        out.append(
+            f"- New cost: partners come from the whole live view while a node keeps "
+            f"~{n['conns']:.0f} connections, so nearly every partner is dialed on demand "
+            f"({n['msgs']['partner dials']:.2f} handshake messages/s per node at {top:,}; "
+            "4 round trips added to the round's exchange).")
     ae = n["bytes"]["anti-entropy"] * 8 / 1e6
     out.append(
         f"- Remains, smaller: anti-entropy grows with the document ({ae:.2f} Mbit/s at "
@@ -411,7 +416,9 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
             f"`node testnet up -n {rl['n']} --no-train`, every node's `node status --json` "
             f"read twice {rl['window_s']:.0f} s apart (testnet/sim/realcheck.py), load "
             f"average {rl['load'][0]:.0f} on {rl['cpus']} cores (other engineers' jobs and "
-            "the testnet's own processes).",
+            "the testnet's own processes). Document entries: a `--no-train` node keeps no "
+            "checkpoint entry, the simulator's peers one each; nodes before issue 30's "
+            "2-entry announce kept 5 a node, since then 2.",
             "",
             md_table(["", "heartbeat interval s", "heartbeats in /s per node (unique)",
                       "heartbeats sent /s per node", "announce interval s",

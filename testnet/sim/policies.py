@@ -9,6 +9,7 @@ names in `[membership]`: `(n_live, base_s) -> seconds`.
   live view holds n_live peers (itself included, as the node counts it);
 * `gc_horizon_s`: RunDocSync.horizon_ms at that size (the configured horizon, never under
   ten announce intervals);
+* `providers`: node.run.providers.provider_sample, the members re-providing the run key;
 * connections: node.membership.redial.plan_connections (`connections`), and checkpoint
   provision: node.checkpoints.holders (testnet/sim/experiments.py, policy "holders").
 """
@@ -19,6 +20,7 @@ import random
 from functools import lru_cache
 
 from node.membership.redial import plan_connections
+from node.run.providers import provider_sample
 from node.run.rundoc_sync import RunDocSync
 from protocols.heartbeat import heartbeat_interval_s
 
@@ -44,6 +46,13 @@ def announce(n_live: int, announce_s: float) -> float:
 def gc_horizon_s(n_live: int, announce_s: float, configured_s: float) -> float:
     """The compaction horizon RunDocSync uses at n_live peers, in seconds."""
     return _sync(n_live, announce_s, configured_s).horizon_ms() / 1000
+
+
+@lru_cache(maxsize=256)
+def providers(n_live: int, k: int) -> int:
+    """Members re-providing the run key at n_live peers whose views agree: the node's
+    sample, drawn over n_live peer names (epoch 0; every epoch draws the same count)."""
+    return len(provider_sample("sim-run", 0, (f"p{i}" for i in range(n_live)), k))
 
 
 def connections(n: int, want: int, max_peers: int, seed: int, sample: int = 2000,

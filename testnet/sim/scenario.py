@@ -19,6 +19,7 @@ from typing import Any
 SCHEMA = 1
 NAT_KINDS = ("public", "fullcone", "home", "symmetric")
 PROVISIONS = ("newest", "holders")
+SHAPES = ("info", "fields")  # membership.announce_shape
 
 
 class ScenarioError(ValueError):
@@ -63,6 +64,12 @@ class Membership:
     # want_peers, close past max_peers), which sets IHAVE's targets; 0: the old model's
     # fixed 2 x want_peers connections.
     max_peers: int = 0
+    # Who re-provides the run key each reprovide_s: 0, every member (before issue 30); k,
+    # the node's rendezvous sample of k members (node/run/providers.py), joiners once.
+    providers: int = 0
+    # A peer's own run-document entries: "info" (the node's: info + last_seen, 3 kept with
+    # a checkpoint) or "fields" (before issue 30: a key per field, 6 kept).
+    announce_shape: str = "info"
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "idontwant_min_bytes": (0, 1 << 30), "relay_mbit": (0.01, 1e5), "per_hour": (0, 100),
     "crash_share": (0, 1), "size_mb": (1e-3, 1e6), "every_rounds": (1, 100_000),
     "seed": (0, 2**63 - 1), "gc_horizon_s": (0, 1e7), "max_peers": (0, 100_000),
+    "providers": (0, 100_000),
 }
 
 
@@ -235,6 +243,9 @@ def parse(text: str, path: str = "<string>") -> Scenario:
     if m.max_peers and m.max_peers < m.want_peers:
         raise _err(path, "membership.max_peers",
                    f"{m.max_peers} is under want_peers ({m.want_peers}); 0 for the old model")
+    if m.announce_shape not in SHAPES:
+        raise _err(path, "membership.announce_shape",
+                   f"expected one of {', '.join(SHAPES)}, got {m.announce_shape!r}")
     if (prov := scenario.checkpoint.provision) not in PROVISIONS:
         raise _err(path, "checkpoint.provision",
                    f"expected one of {', '.join(PROVISIONS)}, got {prov!r}")

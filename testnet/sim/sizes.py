@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from node.run.rundoc_sync import own_announce
+
 FRAME_OVERHEAD = 2 + 16 + 12  # Noise length + AEAD tag, Yamux frame header
 RUN_ID = "Qm" + "x" * 44  # a run id is a base58 sha2-256 multihash: 46 characters
 SEED = bytes(range(32))  # a fixed key: the sizes never depend on randomness
@@ -31,7 +33,7 @@ class Sizes:
     """Bytes on the wire of each message kind (framing included)."""
 
     heartbeat: int  # one gossiped heartbeat, RPC + framing
-    announce: int  # one run-document announce delta (own 5 entries), RPC + framing
+    announce: int  # one run-document announce delta (own 2 entries), RPC + framing
     entry: int  # one run-document entry inside a delta (msgpack row)
     entries_per_peer: int  # entries each live peer keeps in the document
     summary: int  # anti-entropy summary when every bucket is non-empty
@@ -44,6 +46,10 @@ class Sizes:
     avg_fixed: int  # one side of an averaging exchange: offer or accept, and done
     avg_per_frame: int  # framing of one tensor frame (4 MiB of fp32) beyond its values
     avg_chunk_bytes: int  # fp32 bytes per tensor frame
+    # the same three before issue 30: a key per field (5 entries announced, 6 kept)
+    announce_fields: int = 0
+    entry_fields: int = 0
+    entries_per_peer_fields: int = 0
 
 
 def avg_session_bytes(s: Sizes, model_bytes: float) -> tuple[float, int]:
@@ -81,17 +87,26 @@ def measure() -> Sizes:
     hb_bytes = len(beat.encode())
     hb_topic = heartbeat.topic(RUN_ID)
 
-    doc = rundoc.RunDocument(RUN_ID, signer, [me])
     now = 1_795_000_000_000
-    own = {"addrs": list(addrs), "role": "node", "device": "cuda", "stats": stats,
-           "last_seen": now}
-    for name, value in own.items():
-        doc.set(f"peer/{me}/{name}", value, now)
-    doc.set(rundoc.ckpt_key(me, "Qm" + "c" * 44),
-            {"hash": "Qm" + "c" * 44, "step": 4200, "size": 100 << 20}, now)
-    announce = doc.encode_delta([e for e in doc.entries() if e.key.split("/")[2] != "ckpt"])
-    full = doc.encode_delta(list(doc.entries()))
-    entry = math.ceil((len(full) - len(doc.encode_delta([]))) / len(doc))
+    info = {"addrs": list(addrs), "role": "node", "device": "cuda", "stats": stats}
+
+    def document(own: dict) -> tuple[int, int, int]:
+        """(announce delta bytes, bytes per entry, entries) of a peer announcing `own`
+        and holding one checkpoint."""
+        doc = rundoc.RunDocument(RUN_ID, signer, [me])
+        for key, value in own.items():
+            doc.set(key, value, now)
+        doc.set(rundoc.ckpt_key(me, "Qm" + "c" * 44),
+                {"hash": "Qm" + "c" * 44, "step": 4200, "size": 100 << 20}, now)
+        ann = doc.encode_delta([e for e in doc.entries() if e.key.split("/")[2] != "ckpt"])
+        full = doc.encode_delta(list(doc.entries()))
+        return len(ann), math.ceil((len(full) - len(doc.encode_delta([]))) / len(doc)), len(doc)
+
+    # the node's own announce (RunDocSync: one `info` entry and `last_seen`), and the one
+    # before issue 30 (a key per field)
+    announce, entry, per_peer = document(own_announce(me, info, now))
+    announce_f, entry_f, per_peer_f = document(
+        {f"peer/{me}/{k}": v for k, v in {**info, "last_seen": now}.items()})
     # A summary lists (u16 bucket, u64 hash) per non-empty bucket: all of them once the
     # document holds a few thousand keys.
     summary = len(msgpack.packb([rundoc.VERSION, RUN_ID, bytes(10 * rundoc.BUCKETS)]))
@@ -120,9 +135,12 @@ def measure() -> Sizes:
 
     return Sizes(
         heartbeat=gossip_rpc(hb_bytes, hb_topic),
-        announce=gossip_rpc(len(announce), f"/peertrain/{RUN_ID}/meta/1"),
+        announce=gossip_rpc(announce, f"/peertrain/{RUN_ID}/meta/1"),
         entry=entry,
-        entries_per_peer=len(doc),
+        entries_per_peer=per_peer,
+        announce_fields=gossip_rpc(announce_f, f"/peertrain/{RUN_ID}/meta/1"),
+        entry_fields=entry_f,
+        entries_per_peer_fields=per_peer_f,
         summary=framed(summary + 16),  # + the meta.summary envelope
         ihave_per_id=per_id,
         ihave_base=framed(ihave_none.ByteSize()),

@@ -46,6 +46,10 @@ from testnet.sim.sizes import Sizes, avg_session_bytes, measure
 MBIT = 1e6 / 8
 PUNCH_S = 5.5  # measured time to a punched or relayed path (docs/benchmarks.md, reach)
 K_BUCKET, ALPHA = 20, 3  # Kademlia's k and α (py-libp2p's defaults)
+# An averaging partner not already connected is dialed on demand (node/membership/redial.py
+# dial_partner): TCP, Noise XX and the muxer's negotiation, about 4 round trips and 8
+# messages each way before the exchange's own.
+DIAL_RTTS, DIAL_MSGS = 4, 8
 #: Inbound gossip messages per second a Python node can take while it trains: ~1.8 ms of
 #: CPU each (p2p/gossipsub.py: 4 idle nodes spent 2.6-2.8 CPU s/min on ~25 messages/s in),
 #: so 100/s is ~18% of one core, the most a trainer's trio thread can give up.
@@ -98,6 +102,7 @@ class Result:
     doc_entries: int = 0  # at the end of the run
     doc_peak: int = 0  # the most at any round boundary
     doc_compacted: int = 0  # entries dropped by compaction (gc_horizon_s > 0)
+    partner_dial_share: float = 0.0  # of a round's partners, those dialed on demand
     heartbeat_interval_s: float = 0.0  # the policies' intervals at the run's size
     announce_interval_s: float = 0.0
     gc_horizon_s: float = 0.0  # 0: no compaction
@@ -135,6 +140,12 @@ class Swarm:
         self.rng = np.random.default_rng(sc.seed)
         self.gen = torch.Generator().manual_seed(sc.seed)
         self.sizes: Sizes = measure()
+        # a peer's run-document entries and announce: the node's, or a key per field
+        sz = self.sizes
+        fields = sc.membership.announce_shape == "fields"
+        self.per_peer = sz.entries_per_peer_fields if fields else sz.entries_per_peer
+        self.announce_bytes = sz.announce_fields if fields else sz.announce
+        self.entry_bytes = sz.entry_fields if fields else sz.entry
         hours = sc.rounds * self._round_s_guess() / 3600
         cap = int(sc.peers * (1 + 1.5 * sc.churn.per_hour * hours)) + 64
         self.cap = cap
@@ -154,7 +165,7 @@ class Swarm:
         self.joined_at = np.full(cap, np.inf)
         self.first_avg = np.full(cap, np.inf)
         self.count = 0
-        self.doc = DocModel(self.sizes.entries_per_peer)
+        self.doc = DocModel(self.per_peer)
         self.last_compact = 0.0
         t = sc.training
         self.a = torch.linspace(0.2, 1.0, t.dim)  # curvatures: condition number 5
@@ -193,7 +204,15 @@ class Swarm:
         hs = np.bincount(G, weights=nat >= NAT_KINDS.index("home"), minlength=n)
         relayed = (sym >= 1) & (hs >= 2)
         bw = np.where(relayed, np.minimum(bw, self.sc.network.relay_mbit * MBIT), bw)
-        return 4 * lat1 + self.model_bytes / bw
+        return 4 * lat1 + self.model_bytes / bw + self.dial_share() * DIAL_RTTS * 2 * lat1
+
+    def dial_share(self) -> float:
+        """Of a round's partners, the share not already connected, so dialed first:
+        partners come from the whole live view (node.ml.optim.pairing over the view), a
+        node holds `connections` of the others (at the run's size; the expected cost is
+        added to each group's exchange)."""
+        n = self.sc.peers
+        return max(0.0, 1 - self.connections(n) / (n - 1)) if n > 1 else 0.0
 
     def _grow(self) -> None:
         """Double every per-peer array (churn brought more peers than first guessed)."""
@@ -255,7 +274,7 @@ class Swarm:
         hops = 1 + max(0, math.ceil(math.log2(n / K_BUCKET)))
         dht = hops * rtt
         connect = 2 * rtt + (PUNCH_S if NAT_KINDS[self.nat[i]] in ("home", "symmetric") else 0)
-        doc_bytes = self._doc_entries(n) * self.sizes.entry
+        doc_bytes = self._doc_entries(n) * self.entry_bytes
         deltas = max(1, math.ceil(doc_bytes / (1 << 20)))
         holder_bw = float(np.median(self.bw[:max(self.count, 1)]))
         sync = deltas * rtt + doc_bytes / min(self.bw[i], holder_bw)
@@ -266,8 +285,8 @@ class Swarm:
         """Entries a replica holds now: the modelled document when it compacts, else six
         per peer ever seen (nothing leaves)."""
         if self.sc.membership.gc_horizon_s > 0:
-            return max(len(self.doc), n * self.sizes.entries_per_peer)
-        return max(self.count, n) * self.sizes.entries_per_peer
+            return max(len(self.doc), n * self.per_peer)
+        return max(self.count, n) * self.per_peer
 
     def connections(self, n: int) -> float:
         """Connections per node: the old model's 2 x want_peers, or with max_peers set what
@@ -318,7 +337,7 @@ class Swarm:
         # announces are >= 1 KiB: IDONTWANT applies (the announce flood was traced with it)
         tr.msgs["rundoc gossip"] = ann_rate * self.announce_copies
         tr.msgs_max["rundoc gossip"] = ann_rate * self.announce_copies_max
-        tr.bytes["rundoc gossip"] = tr.msgs["rundoc gossip"] * s.announce
+        tr.bytes["rundoc gossip"] = tr.msgs["rundoc gossip"] * self.announce_bytes
         # IHAVE: every gossipsub heartbeat, per topic, to max(lazy, 25% of the non-mesh
         # connected peers), listing every message id of the last `window` heartbeats.
         conns = round(self.connections(n))
@@ -333,10 +352,10 @@ class Swarm:
         # one (summary in, delta+summary out, delta in). A bucket differs when an entry in
         # it was rewritten within the announce's spread time.
         entries = self._doc_entries(n)
-        in_flight = n * (s.entries_per_peer - 1) * f.t99 / ann_s
+        in_flight = n * (self.per_peer - 1) * f.t99 / ann_s
         differing = 1024 * (1 - math.exp(-in_flight / 1024)) if entries else 0
         per_bucket = entries / 1024
-        delta = min(1 << 20, differing * per_bucket * s.entry)
+        delta = min(1 << 20, differing * per_bucket * self.entry_bytes)
         summary = min(s.summary, 64 + 10 * min(1024, entries))
         tr.msgs["anti-entropy"] = 4 / m.anti_entropy_s
         tr.msgs_max["anti-entropy"] = 4 / m.anti_entropy_s
@@ -346,11 +365,25 @@ class Swarm:
         # everybody's ADD_PROVIDER: the busiest.
         hops = 1 + max(0, math.ceil(math.log2(max(n, 2) / K_BUCKET)))
         lookup = ALPHA * hops
-        tr.msgs["dht"] = (lookup + min(K_BUCKET, n - 1)) / m.reprovide_s
-        tr.bytes["dht"] = (lookup * (s.dht_request + s.dht_reply)
-                           + min(K_BUCKET, n - 1) * s.add_provider) / m.reprovide_s
-        # each of them receives every other peer's ADD_PROVIDER once per reprovide_s
-        tr.msgs_max["dht"] = tr.msgs["dht"] + (n - 1) / m.reprovide_s
+        # Before issue 30 every member re-provides; with `providers` set, the node's
+        # rendezvous sample (node/run/providers.py) does, and each joiner provides once.
+        joins_per_s = sc.churn.per_hour * n / 3600
+        if m.providers:
+            per_window = policies.providers(n, m.providers) + joins_per_s * m.reprovide_s
+        else:
+            per_window = float(n)
+        share = min(1.0, per_window / max(n, 1))  # of the members that provide per window
+        tr.msgs["dht"] = share * (lookup + min(K_BUCKET, n - 1)) / m.reprovide_s
+        tr.bytes["dht"] = share * (lookup * (s.dht_request + s.dht_reply)
+                                   + min(K_BUCKET, n - 1) * s.add_provider) / m.reprovide_s
+        # each of them receives every other provider's ADD_PROVIDER once per reprovide_s
+        tr.msgs_max["dht"] = tr.msgs["dht"] + max(0.0, per_window - 1) / m.reprovide_s
+        # on-demand dials of partners not connected: each round, both ends of each pair
+        partners = sc.training.group_size - 1
+        tr.msgs["partner dials"] = self.dial_share() * partners * DIAL_MSGS / \
+            self._round_s_guess()
+        tr.msgs_max["partner dials"] = tr.msgs["partner dials"]
+        tr.bytes["partner dials"] = tr.msgs["partner dials"] * 200  # handshake messages
         return tr
 
     # -- the run -------------------------------------------------------------------------------
@@ -375,7 +408,7 @@ class Swarm:
         lat, bw = self.lat[:n0], self.bw[:n0]
         self.flood = gossip.trace(adj, lat, bw, self.sizes.heartbeat,
                                   sc.gossip.idontwant_min_bytes, sc.gossip.floods, self.rng)
-        ann = gossip.trace(adj, lat, bw, self.sizes.announce, sc.gossip.idontwant_min_bytes,
+        ann = gossip.trace(adj, lat, bw, self.announce_bytes, sc.gossip.idontwant_min_bytes,
                            sc.gossip.floods, self.rng)
         self.announce_copies, self.announce_copies_max = ann.copies_mean, ann.copies_max
         res.flood, res.write_t99_s = self.flood, ann.t99
@@ -444,6 +477,7 @@ class Swarm:
         res.announce_interval_s = self.announce_policy(n0, sc.membership.announce_s)
         res.gc_horizon_s = self.gc_horizon_s(n0)
         res.connections = self.connections(n0)
+        res.partner_dial_share = self.dial_share()
         res.wall_s = time.perf_counter() - started
         res.cpu_s = time.process_time() - cpu
         return res

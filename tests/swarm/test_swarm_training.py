@@ -188,7 +188,8 @@ def test_checkpoints_are_written_announced_and_resumed(testnet_factory, tmp_path
     st = wait_until(lambda: (s := status(node)) and (s.get("run_document") or {})
                     .get("tombstones", 0) >= 1 and s, 60,
                     "retention to delete the first checkpoint's entry")
-    assert st["run_document"]["entries"] >= 6  # own peer entries + peer/<id>/ckpt/<cid>
+    # own peer entries (info, last_seen) + peer/<id>/ckpt/<cid>
+    assert st["run_document"]["entries"] >= 3
     # The store is read once the node is stopped: a running node writes a checkpoint every
     # 200 steps (a fraction of a second) and deletes all but 2, so a cid read from its
     # status could be gone before `ckpt verify` (a second to start) opens it.

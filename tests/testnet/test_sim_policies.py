@@ -6,11 +6,12 @@ import pytest
 
 import node.checkpoints.holders as holders_mod
 import node.membership.redial as redial
+import node.run.providers as providers_mod
 import protocols.heartbeat as heartbeat
 import protocols.rundoc as rundoc
 from node.run.rundoc_sync import ANNOUNCE_TARGET_PER_S
 from testnet.sim import document, experiments, policies
-from testnet.sim.bench import NODE_SCENARIO
+from testnet.sim.bench import DEFAULT_SCENARIO, NODE_SCENARIO
 from testnet.sim.document import document_under_churn
 from testnet.sim.experiments import checkpoint_burst
 from testnet.sim.scenario import Scenario, ScenarioError, load, parse
@@ -109,10 +110,52 @@ def test_connection_bound_from_plan_connections() -> None:
     assert Swarm(sc).run().connections == pytest.approx(c, rel=0.5)
 
 
+def test_the_provider_sample_bounds_the_busiest_dht_peer() -> None:
+    """Every member re-providing the run key puts (N - 1) / reprovide_s ADD_PROVIDER a
+    second on the key's closest peers; the node's rendezvous sample (node/run/providers.py)
+    puts its 20 plus the joiners there, whatever N."""
+    assert policies.provider_sample is providers_mod.provider_sample
+    assert load(NODE_SCENARIO).membership.providers == providers_mod.PROVIDERS
+    assert policies.providers(10_000, 20) == 20 and policies.providers(5, 20) == 5
+    sc = node_small(peers=300, churn__per_hour=0.1)
+    every = Swarm(sc.with_(membership__providers=0)).run().traffic
+    sample = Swarm(sc).run().traffic
+    assert every is not None and sample is not None
+    assert every.msgs_max["dht"] - every.msgs["dht"] == pytest.approx(299 / 30)
+    joins_per_s = 0.1 * 300 / 3600
+    assert sample.msgs_max["dht"] - sample.msgs["dht"] == pytest.approx(
+        (20 + joins_per_s * 30 - 1) / 30)
+    assert sample.msgs["dht"] < every.msgs["dht"] / 10
+
+
+def test_partners_from_the_whole_view_are_mostly_dialed_on_demand() -> None:
+    """Pairing draws from the whole live view while a node keeps ~10 connections: at 300
+    peers ~97% of partners are dialed first, which costs each round its handshakes (a
+    few messages a round, not a rate that grows with N)."""
+    res = Swarm(node_small(peers=300)).run()
+    assert res.partner_dial_share == pytest.approx(1 - res.connections / 299)
+    assert res.partner_dial_share > 0.9
+    assert res.traffic is not None and 0 < res.traffic.msgs["partner dials"] < 2
+    assert Swarm(node_small(peers=2)).run().partner_dial_share == 0.0
+
+
+def test_two_entries_a_peer_keep_10000_peers_under_the_document_cap() -> None:
+    """The node's announce writes 2 entries (info, last_seen; a trainer's checkpoint makes
+    3): at 10,000 peers with the stretched horizon (10,000 s) and 10%/h churn the document
+    stays under its cap (6 a peer passed it near 9,000 peers). Four hours of churn: past
+    the horizon, so departures leave as fast as they come."""
+    per = Swarm(load(NODE_SCENARIO)).per_peer
+    assert per == 3 and Swarm(load(DEFAULT_SCENARIO)).per_peer == 6
+    d = document_under_churn(10_000, 0.1, 4.0, per, policies.gc_horizon_s(
+        10_000, 2.0, 3600.0), seed=1)
+    assert d.peak < d.cap and d.peak <= per * 10_000 * (1 + 0.1 * 10_000 / 3600 * 1.5)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("schema = 1\n[membership]\nmax_peers = 4\n", "membership.max_peers: 4 is under"),
     ("schema = 1\n[checkpoint]\nprovision = \"all\"\n", "checkpoint.provision: expected one"),
     ("schema = 1\n[membership]\nannounce_policy = \"nope\"\n", "membership.announce_policy"),
+    ("schema = 1\n[membership]\nannounce_shape = \"one\"\n", "membership.announce_shape"),
 ])
 def test_new_keys_are_checked(text: str, message: str) -> None:
     with pytest.raises(ScenarioError, match=message):

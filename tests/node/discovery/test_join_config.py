@@ -39,6 +39,10 @@ device = "cpu"
 join-timeout = 60
 no-train = true
 log-level = "debug"
+heartbeat-target = 20.0
+want-peers = 4
+max-peers = 16
+rundoc-horizon = 600.0
 [bootstrap-node]
 listen = ["/ip4/0.0.0.0/tcp/4101"]
 announce = ["/ip4/203.0.113.7/tcp/4101"]
@@ -47,6 +51,8 @@ announce = ["/ip4/203.0.113.7/tcp/4101"]
     assert join["state_dir"] == "/srv/pt" and join["bootstrap"] == [BOOT]
     assert join["log_level"] == "debug" and join["device"] == "cpu"
     assert join["join_timeout"] == 60 and join["no_train"] is True and join["mdns"] is False
+    assert (join["heartbeat_target"], join["want_peers"], join["max_peers"],
+            join["rundoc_horizon"]) == (20.0, 4, 16, 600.0)
     boot = c.for_command("bootstrap")
     assert boot["listen"] == ["/ip4/0.0.0.0/tcp/4101"] and boot["log_level"] == "warning"
     assert "device" not in boot
@@ -65,6 +71,11 @@ def test_the_template_parses_to_nothing_set():
     ("[join]\njoin-timeout = -1", "join.join-timeout: must be > 0"),
     ("[join]\njoin-timeout = '30'", "join.join-timeout: must be a number"),
     ("mdns = 'yes'", "mdns: must be true or false"),
+    ("[join]\nheartbeat-target = 0.0", "join.heartbeat-target: must be > 0"),
+    ("[join]\nwant-peers = -1", "join.want-peers: must be >= 0"),
+    ("[join]\nwant-peers = 2.5", "join.want-peers: must be an integer"),
+    ("[join]\nmax-peers = 0", "join.max-peers: must be >= 1"),
+    ("[join]\nrundoc-horizon = -5.0", "join.rundoc-horizon: must be > 0"),
     ("log-level = 'loud'", "log-level: must be 'debug', 'info', 'warning' or 'error'"),
     ("bootstrap = ['/ip4/1.2.3.4/tcp/1']", "bootstrap[0]: must be a peer multiaddr"),
     ("bootstrap = '/ip4/1.2.3.4/tcp/1/p2p/x'", "bootstrap: must be an array"),

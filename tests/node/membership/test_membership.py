@@ -105,3 +105,44 @@ def test_documented_members_and_their_addresses_come_from_one_pass_over_the_docu
     assert view.addresses() == {a.peer_id: ["/ip4/10.0.0.2/tcp/1"]}  # b's addrs are not a list
     view.announce_interval_s = 100.0
     assert view.members_ttl_s() == 400.0
+
+
+def test_a_peer_announces_two_entries_and_retires_its_older_ones():
+    """Since issue 30 a peer's addrs, role, device and stats are one `info` entry (2 a
+    peer with last_seen, not 5: 10,000 peers with churn stay under the document's cap);
+    readers take both shapes, and a node deletes its own older per-field keys."""
+    from node.membership.view import now_ms
+    from node.run.rundoc_sync import MAX_INFO_ADDRS, own_announce, retire_legacy
+    from protocols.keys import Signer
+    from protocols.rundoc import RunDocument
+
+    me, new, old = (Signer(bytes([i]) * 32) for i in (4, 5, 6))
+    doc = RunDocument("run", me, [])
+    t = now_ms()
+    n = RunDocument("run", new, [])
+    own = own_announce(new.peer_id, {"addrs": [f"/ip4/10.0.0.{i}/tcp/1" for i in range(40)],
+                                     "role": "node", "device": "cpu", "stats": {"step": 3}}, t)
+    assert sorted(own) == [f"peer/{new.peer_id}/info", f"peer/{new.peer_id}/last_seen"]
+    assert len(own[f"peer/{new.peer_id}/info"]["addrs"]) == MAX_INFO_ADDRS
+    for key, value in own.items():
+        doc.merge(n.set(key, value, t), t)
+    o = RunDocument("run", old, [])
+    for name, value in (("addrs", ["/ip4/10.0.1.1/tcp/1"]), ("role", "node"), ("last_seen", t)):
+        doc.merge(o.set(f"peer/{old.peer_id}/{name}", value, t), t)
+    view = Membership(me.peer_id, ttl_s=5.0)
+    view.attach(doc)
+    got = view.documented(60.0)
+    assert got[new.peer_id]["role"] == "node" and got[new.peer_id]["stats"] == {"step": 3}
+    assert got[old.peer_id]["role"] == "node"
+    assert view.addresses()[new.peer_id][0] == "/ip4/10.0.0.0/tcp/1"
+    assert view.addresses()[old.peer_id] == ["/ip4/10.0.1.1/tcp/1"]
+    # one partner's addresses, as the averager's on-demand dial asks for them
+    assert view.addresses_of(new.peer_id) == view.addresses()[new.peer_id]
+    assert view.addresses_of(old.peer_id) == ["/ip4/10.0.1.1/tcp/1"]
+    assert view.addresses_of("nobody") == []
+    # the older node upgrades: its per-field keys become tombstones, gossiped as one delta
+    delta = retire_legacy(o, old.peer_id, t + 1)
+    assert delta is not None and retire_legacy(o, old.peer_id, t + 2) is None
+    doc.merge(delta, t + 1)
+    assert doc.get(f"peer/{old.peer_id}/addrs") is None
+    assert doc.get(f"peer/{old.peer_id}/last_seen") == t

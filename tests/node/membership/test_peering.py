@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from node.membership.redial import Redialer
+from node.membership.redial import Redialer, dial_partner
 from p2p.host import DialError
 
 
@@ -110,9 +112,6 @@ async def test_malformed_member_addresses_are_skipped():
 
 import random  # noqa: E402
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
 from node.membership.redial import plan_connections  # noqa: E402
 
 
@@ -198,3 +197,32 @@ async def test_past_max_peers_the_oldest_unprotected_connections_are_closed(auto
     # peers that are not live members went first: the 10 live ones all stay
     assert len(set(others[:10]) & host.connected) == 10
     assert r.statistics()["closed_over_max"] == 25
+
+
+@settings(max_examples=40, deadline=None)
+@given(reachable_at=st.integers(-1, 6), n_addrs=st.integers(0, 6), tries=st.integers(1, 4))
+def test_a_partner_is_dialed_on_demand_at_most_tries_addresses(reachable_at, n_addrs, tries):
+    """Partners come from the whole live view (issue 30), most of them not connected: the
+    initiator dials one at the addresses the view has for it, at most `tries` of them,
+    stopping at the first that answers; a connected partner costs no dial."""
+    partner, _ = peer_addr(9)
+    host = FakeHost(reachable=set())
+    tried: list[str] = []
+
+    async def connect(addr: str, timeout: float = 10.0) -> ID:
+        tried.append(addr)
+        if len(tried) - 1 == reachable_at:
+            host.connected.add(partner)
+            return ID.from_base58(partner)
+        raise DialError(addr, "Connection refused")
+
+    host.connect = connect  # type: ignore[method-assign]
+    addrs = [f"/ip4/10.0.0.{i}/tcp/1" for i in range(n_addrs)]
+    ok = trio.run(lambda: dial_partner(host, partner, addrs, tries=tries))
+    assert len(tried) <= min(tries, n_addrs)
+    assert all(a.endswith(f"/p2p/{partner}") for a in tried)
+    assert ok == (0 <= reachable_at < min(tries, n_addrs))
+    tried.clear()
+    if ok:  # connected now: the next round's dial is free
+        assert trio.run(lambda: dial_partner(host, partner, addrs, tries=tries))
+        assert tried == []
