@@ -75,6 +75,8 @@ def retire_legacy(doc: rundoc.RunDocument, me: str, t: int) -> bytes | None:
             if (gone := doc.entry(key)) is not None:
                 entries.append(gone)
     return doc.encode_delta(entries) if entries else None
+
+
 MAX_FRAME = rundoc.SYNC_LIMITS.max_envelope_bytes  # a delta is at most 1 MiB
 
 
