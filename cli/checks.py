@@ -17,12 +17,18 @@ def positive_seconds(flag: str, value: float) -> float:
     return value
 
 
-def scale(heartbeat_target: float, want_peers: int, max_peers: int,
+def heartbeat_target(value: float) -> float:
+    """--heartbeat-target (`node join`, `node testnet up`), or one error."""
+    if not (math.isfinite(value) and 0 < value <= 100_000):
+        raise fail(f"--heartbeat-target {value:g}: expected heartbeats a second "
+                   "in (0, 100000]", 2)
+    return value
+
+
+def scale(heartbeat_target_per_s: float, want_peers: int, max_peers: int,
           rundoc_horizon: float) -> dict:
     """The scale flags (docs/operator.md "Large runs") as NodeConfig fields, or one error."""
-    if not (math.isfinite(heartbeat_target) and 0 < heartbeat_target <= 100_000):
-        raise fail(f"--heartbeat-target {heartbeat_target:g}: expected heartbeats a second "
-                   "in (0, 100000]", 2)
+    heartbeat_target(heartbeat_target_per_s)
     if not 0 <= want_peers <= 100_000:
         raise fail(f"--want-peers {want_peers}: expected 0 to 100000 connections", 2)
     if not want_peers <= max_peers <= 100_000 or max_peers < 1:
@@ -31,7 +37,7 @@ def scale(heartbeat_target: float, want_peers: int, max_peers: int,
     if not (math.isfinite(rundoc_horizon) and 0 < rundoc_horizon <= 365 * 86400):
         raise fail(f"--rundoc-horizon {rundoc_horizon:g}: expected seconds in (0, 31536000]",
                    2)
-    return {"heartbeat_target_per_s": heartbeat_target, "want_peers": want_peers,
+    return {"heartbeat_target_per_s": heartbeat_target_per_s, "want_peers": want_peers,
             "max_peers": max_peers, "rundoc_horizon_s": rundoc_horizon}
 
 

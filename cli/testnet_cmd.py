@@ -47,6 +47,9 @@ def up(
     directory: Dir = None,
     no_train: Annotated[bool, typer.Option("--no-train", help="Nodes join without training.")]
     = False,
+    heartbeat_target: Annotated[float | None, typer.Option(
+        help="Every node's `node join --heartbeat-target`: heartbeats a second each should "
+             "receive at most (a large testnet on few cores).", show_default=False)] = None,
     scenario: Annotated[str | None, typer.Option(
         help="'sybil': --honest nodes plus one attacker with --sybils identities sending a "
              "poisoned model (docs/robustness.md). 'partition' (root): every process in a "
@@ -100,6 +103,8 @@ def up(
     directory = directory or launcher.default_dir()
     page_at = _page_addr(page, no_page, detach)
     extra = ["--no-train"] if no_train else []
+    if heartbeat_target is not None:
+        extra += ["--heartbeat-target", f"{checks.heartbeat_target(heartbeat_target):g}"]
     if scenario not in (None, "sybil", "partition", "churn", "nat", "pipeline"):
         raise fail(f"--scenario {scenario}: known scenarios: sybil, partition, churn, nat, "
                    "pipeline", 2)

@@ -413,7 +413,10 @@ def report(res: dict, has_plot: bool, started: str, total_s: float, scenario: st
         lines += [
             "### Real processes against the simulator (a loopback testnet)",
             "",
-            f"`node testnet up -n {rl['n']} --no-train`, every node's `node status --json` "
+            f"`node testnet up -n {rl['n']} --no-train`"
+            + (f" with `--heartbeat-target {rl['target']:g}`"
+               if rl.get("target", 50) != 50 else "")
+            + ", every node's `node status --json` "
             f"read twice {rl['window_s']:.0f} s apart (testnet/sim/realcheck.py), load "
             f"average {rl['load'][0]:.0f} on {rl['cpus']} cores (other engineers' jobs and "
             "the testnet's own processes). Document entries: a `--no-train` node keeps no "
@@ -529,11 +532,13 @@ def main(quick: bool = False, scenario: Path | None = None, doc: Path | None = N
         raw = Path(tempfile.gettempdir()) / "peertrain-bench-sim.json"
         raw.write_text(json.dumps(res, default=float))
     if real is not None:
+        from protocols.heartbeat import TARGET_INBOUND_PER_S
         from testnet.sim.realcheck import predict
 
         rl = res["real"] = json.loads(real.read_text())
         sent = sum(r["sent_per_s"] for r in rl["rows"]) / max(1, len(rl["rows"]))
-        rl["sim"] = predict(rl["n"], sent)  # this code's prediction, not the file's
+        # this code's prediction, not the file's
+        rl["sim"] = predict(rl["n"], sent, rl.get("target", TARGET_INBOUND_PER_S))
     started, total = res["machine"], res["total_s"]
     doc_path = doc or DOC
     has_plot = plot(res, doc_path.parent / "sim.png")

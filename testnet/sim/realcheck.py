@@ -1,7 +1,8 @@
 """Where the simulator and a real-process testnet overlap: heartbeats on loopback.
 
-`python -m testnet.sim.realcheck DIR [SECONDS] > real.json` reads every node of the
-testnet in DIR (`node testnet up -n N --no-train --dir DIR`) twice, SECONDS apart, through
+`python -m testnet.sim.realcheck DIR [SECONDS [TARGET]] > real.json` reads every node of
+the testnet in DIR (`node testnet up -n N --no-train --dir DIR`, or nodes started with
+`--heartbeat-target TARGET`, default 50 a second) twice, SECONDS apart, through
 `node status --json`: the heartbeat interval each node uses, the heartbeats it received
 per second (its 10 s meter), the heartbeats it sent in between, and its live view. Next
 to them it puts the simulator's prediction for the same N and settings
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from protocols.heartbeat import TARGET_INBOUND_PER_S, heartbeat_interval_s
 from testnet.sim import policies
 from testnet.sim.sizes import measure as measure_sizes
 
@@ -35,7 +37,8 @@ def _status(state_dir: str) -> dict[str, Any] | None:
         return None
 
 
-def measure(directory: Path, seconds: float = 30.0) -> dict[str, Any]:
+def measure(directory: Path, seconds: float = 30.0,
+            target: float = TARGET_INBOUND_PER_S) -> dict[str, Any]:
     state = json.loads((directory / "testnet.json").read_text())
     nodes = [p["state_dir"] for p in state["procs"] if p["name"] != "bootstrap"]
     first = {d: _status(d) for d in nodes}
@@ -58,13 +61,16 @@ def measure(directory: Path, seconds: float = 30.0) -> dict[str, Any]:
             "entries": b["run_document"].get("entries")})
     n = len(nodes)
     sent = sum(r["sent_per_s"] for r in rows) / max(1, len(rows))
-    return {"n": n, "answered": len(rows), "window_s": dt, "rows": rows,
-            "load": os.getloadavg(), "cpus": os.cpu_count(), "sim": predict(n, sent)}
+    return {"n": n, "answered": len(rows), "window_s": dt, "rows": rows, "target": target,
+            "load": os.getloadavg(), "cpus": os.cpu_count(),
+            "sim": predict(n, sent, target)}
 
 
-def predict(n: int, sent_per_s: float) -> dict[str, float]:
-    """The simulator's figures for n joined nodes (node.toml's policies)."""
-    interval = policies.heartbeat(n, 1.0)
+def predict(n: int, sent_per_s: float,
+            target: float = TARGET_INBOUND_PER_S) -> dict[str, float]:
+    """The simulator's figures for n joined nodes (node.toml's policies, the nodes'
+    heartbeat target)."""
+    interval = heartbeat_interval_s(n, 1.0, target)
     return {"interval_s": interval, "inbound_per_s": (n - 1) / interval,
             "announce_s": policies.announce(n, 2.0),
             "entries": n * measure_sizes().entries_per_peer,
@@ -72,6 +78,10 @@ def predict(n: int, sent_per_s: float) -> dict[str, float]:
             # stretches trio's sleeps): what the simulator says at that rate
             "inbound_at_measured_send_rate": (n - 1) * sent_per_s}
 
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2
-                             else 30.0), indent=1))
+    print(json.dumps(measure(Path(sys.argv[1]),
+                             float(sys.argv[2]) if len(sys.argv) > 2 else 30.0,
+                             float(sys.argv[3]) if len(sys.argv) > 3 else TARGET_INBOUND_PER_S),
+                     indent=1))

@@ -79,6 +79,8 @@ CASES = [
     (["testnet", "up", "--manifest", "{t}/missing.toml", "--dir", "{t}/tn"], 2, "cannot read"),
     (["testnet", "up", "--manifest", "{t}/typo.toml", "--dir", "{t}/tn"], 2, "[model]"),
     (["testnet", "up", "-n", "0", "--dir", "{t}/tn"], 2, "--nodes 0"),
+    (["testnet", "up", "--heartbeat-target", "-1", "--dir", "{t}/tn"], 2,
+     "--heartbeat-target -1: expected"),
     (["testnet", "up", "--scenario", "moon", "--dir", "{t}/tn"], 2, "--scenario moon"),
     (["testnet", "up", "--stages", "4", "--dir", "{t}/tn"], 2, "add --scenario pipeline"),
     (["testnet", "up", "--scenario", "pipeline", "--stages", "1", "--dir", "{t}/tn"], 2,
