@@ -14,7 +14,6 @@ follows θ): one replica trains exactly as before.
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -23,28 +22,28 @@ from torch.nn.utils import parameters_to_vector
 
 from node.ml.optim import NoLoCo, NoLoCoConfig
 from node.ml.pipeline.stages import copy_vector_into, own_parameters
-from node.training.rounds import Outcome
+from node.training.outer_rounds import OuterRounds
+from node.training.rounds import Outcome, TrainingStats
 
 
 class ReplicaRounds:
-    """The outer rounds of one stage replica. `after_step` runs in the trainer thread
-    with the worker's lock held; `deliver` may be called from any thread."""
+    """The outer rounds of one stage replica (node/training/outer_rounds.py over the
+    stage's own parameters). `after_step` runs in the trainer thread with the worker's lock
+    held; `deliver` may be called from any thread."""
 
     def __init__(self, stage: Any, inner_steps: int, config: NoLoCoConfig,
                  post: Callable[[int, torch.Tensor], None],
-                 has_partners: Callable[[], bool], progress: Any = None) -> None:
+                 has_partners: Callable[[], bool],
+                 progress: TrainingStats | None = None) -> None:
         self.params = list(own_parameters(stage))
         self.h = inner_steps
         self.post = post  # (round, a snapshot the trio side owns) -> starts the exchange
         self.has_partners = has_partners
         self.outer = NoLoCo(self.vector(), config)
-        self.pending: dict[int, torch.Tensor] = {}  # round -> θ_r awaiting its outcome
-        self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        self.averaged = 0
-        self.local = 0
+        # progress: the node's TrainingStats, whose round counters show in heartbeats
+        self.progress = progress if progress is not None else TrainingStats()
+        self.rounds = OuterRounds(self.outer, self.vector, self._set, self.progress)
         self.alone = 0
-        self.last_partner: str | None = None
-        self.progress = progress  # TrainingStats: its round counters show in heartbeats
         self.last_step: int | None = None  # the step of the previous after_step
 
     def vector(self) -> torch.Tensor:
@@ -54,7 +53,10 @@ class ReplicaRounds:
         copy_vector_into(self.params, vec)
 
     def deliver(self, outcome: Outcome) -> None:
-        self.outcomes.put(outcome)
+        self.rounds.deliver(outcome)
+
+    def apply(self) -> None:
+        self.rounds.apply()
 
     def after_step(self, step: int) -> None:
         """Apply the outcomes that came; at a round boundary, close the rounds still open
@@ -62,54 +64,23 @@ class ReplicaRounds:
         jumps to the swarm's step (worker.py: the leader's, or a later step its messages
         carry) may pass a boundary without landing on it: that round starts where it
         lands, rather than being skipped until the next boundary."""
-        self.apply()
+        self.rounds.apply()
         prev, self.last_step = self.last_step, step
         crossed = (step % self.h == 0 if prev is None
                    else step // self.h > prev // self.h)
         if step <= 0 or not crossed:
             return
-        for r in sorted(self.pending):
-            self._outer(self.pending.pop(r), [])
-            self.local += 1
-            self._count()
-        theta = self.vector()
         if not self.has_partners():
+            self.rounds.close_all()
             with torch.no_grad():
-                self.outer.phi.copy_(theta)
+                self.outer.phi.copy_(self.vector())
             self.alone += 1
             return
         r = step // self.h
-        self.pending[r] = theta
-        self.post(r, theta.clone())
-
-    def apply(self) -> None:
-        while True:
-            try:
-                outcome = self.outcomes.get_nowait()
-            except queue.Empty:
-                return
-            theta = self.pending.pop(outcome.round, None)
-            if theta is None:  # too late: closed locally at a later boundary
-                continue
-            self._outer(theta, outcome.partner_thetas)
-            if outcome.partner_thetas:
-                self.averaged += 1
-                self.last_partner = outcome.partner
-            else:
-                self.local += 1
-            self._count()
-
-    def _count(self) -> None:
-        if self.progress is not None:
-            self.progress.rounds_averaged = self.averaged
-            self.progress.rounds_local = self.local
-            self.progress.last_partner = self.last_partner
-
-    def _outer(self, theta: torch.Tensor, partners: list[Any]) -> None:
-        phi = self.outer.outer_step(theta, partners)
-        self._set(phi + (self.vector() - theta))
+        self.post(r, self.rounds.open(r).clone())
 
     def statistics(self) -> dict[str, Any]:
-        return {"rounds_averaged": self.averaged, "rounds_local": self.local,
-                "rounds_alone": self.alone, "last_partner": self.last_partner,
+        p = self.progress
+        return {"rounds_averaged": p.rounds_averaged, "rounds_local": p.rounds_local,
+                "rounds_alone": self.alone, "last_partner": p.last_partner,
                 "inner_steps": self.h}

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -66,9 +65,10 @@ import trio
 
 from node.errors import DEVICE_MEMORY_EXIT, TrainingFailed
 from node.ml.trainer import errors as trainer_errors
-from node.ml.types import aggregating, compressing
+from node.ml.types import compressing
 from node.process.priority import lower_session_priority, lower_thread_priority
 from node.process.trainer_thread import run_trainer_thread
+from node.training.outer_rounds import OuterRounds
 from node.training.rounds import (
     Boundary,
     Compressed,
@@ -81,12 +81,8 @@ from node.training.rounds import (
 from node.training.state import checkpoint_tensors
 
 if TYPE_CHECKING:
-    import torch
-
     from node.ml.types import Built, LocalTrainer, OuterOptimizer
     from node.service import NodeContext
-
-    Pending = dict[int, torch.Tensor]  # round -> θ_r, the snapshot awaiting its outcome
 
 log = logging.getLogger("node.training")
 
@@ -137,7 +133,7 @@ class TrainingService:
         # round or more behind jumps to the swarm's round: pairing only works when peers
         # agree on the round number (a late joiner, a restart, a slow CPU).
         self.swarm_step = 0
-        self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._rounds: OuterRounds | None = None  # the open rounds, once training runs
         self._stop = threading.Event()
         self.outer: OuterOptimizer | None = None  # once the trainer thread has built it
         self._run_ctx: Any = None  # the node's RunContext, when run as a service
@@ -258,7 +254,8 @@ class TrainingService:
         if outcome.partner_thetas and not outcome.partner_trained:
             known = [t for t in map(self._trained_of, outcome.peers) if t is not None]
             outcome = dataclasses.replace(outcome, partner_trained=tuple(known))
-        self._outcomes.put(outcome)
+        if self._rounds is not None:  # always, once a boundary was posted
+            self._rounds.deliver(outcome)
 
     # -- the trainer thread -----------------------------------------------------------------
 
@@ -287,7 +284,9 @@ class TrainingService:
         # ... and its weights carry what the checkpoint claimed (resume_newest sets it);
         # never more than the clock
         st.trained = min(st.trained, st.step)
-        pending: Pending = {}
+        rounds = self._rounds = None if outer is None else OuterRounds(
+            outer, trainer.parameters_vector, trainer.set_parameters_vector, st,
+            on_averaged=self._credit_averaging)
         # Checkpoints are due each time the step passes a multiple of checkpoint_every, not
         # only on the multiple itself: a node that jumps to the swarm's round may land on
         # (or skip) it, and a restarted, lagging node went hundreds of steps without one.
@@ -297,12 +296,12 @@ class TrainingService:
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
                 return
-            if outer is not None:  # none: no communication, no outcomes
-                self._apply_outcomes(trainer, outer, pending)
+            if rounds is not None:  # none: no communication, no outcomes
+                rounds.apply()
             if self.poison_steps is not None and st.step - first >= self.poison_steps:
-                self._send_as_is(trainer, outer, inner_steps, pending, post)
+                self._send_as_is(trainer, rounds, inner_steps, post)
                 return
-            if (outer is not None and self.poison_steps is None
+            if (rounds is not None and self.poison_steps is None
                     and self.swarm_step >= st.step + inner_steps):
                 # Continue one step before the swarm's last exchange boundary, so that the
                 # next step reaches it: partners that got there first wait for us a few
@@ -310,7 +309,7 @@ class TrainingService:
                 # a slow node that kept catching up met its partners in no round at all (the
                 # SybilWall swarm test, under load: 146 jumps, 330 failed exchanges). Past
                 # that boundary already (inside a span): to the swarm's step.
-                span_len = inner_steps * self._span(outer)
+                span_len = inner_steps * self._span(rounds.outer)
                 target = self.swarm_step // span_len * span_len - 1
                 if target <= st.step:
                     target = self.swarm_step - 1
@@ -320,9 +319,7 @@ class TrainingService:
                          "step %d; the weights keep their %d trained steps",
                          st.step, self.swarm_step, target, st.trained)
                 if target // span_len > st.step // span_len:  # an exchange boundary passed
-                    for r in sorted(pending):
-                        self._outer_step(trainer, outer, pending.pop(r), Outcome(r, []))
-                        st.rounds_local += 1
+                    rounds.close_all()
                 trainer.step_count = st.step = max(st.step, target)
             t0 = time.perf_counter()
             s = trainer.step()
@@ -342,21 +339,21 @@ class TrainingService:
                 saved = s.step // self.checkpoint_every
                 post(Snapshot(s.step, checkpoint_tensors(trainer, outer), trained=st.trained,
                               parent=st.lineage))
-            if (outer is not None and s.step % inner_steps == 0
-                    and s.step // inner_steps % self._span(outer) == 0):
+            if (rounds is not None and s.step % inner_steps == 0
+                    and s.step // inner_steps % self._span(rounds.outer) == 0):
                 # the clock starts before the post: the exchange may begin (and its
                 # all-reduce run) before this thread is back from handing the boundary over
                 posted = time.perf_counter()
-                self._post_boundary(s.step // inner_steps, trainer, outer, pending, post)
-                if getattr(outer, "synchronous", False):
-                    self._wait_for(st.round, trainer, outer, pending, posted)
+                self._post_boundary(s.step // inner_steps, rounds, post)
+                if getattr(rounds.outer, "synchronous", False):
+                    self._wait_for(st.round, rounds, posted)
 
     def _span(self, outer: OuterOptimizer | None) -> int:
         """Base rounds per exchange now: 1 for a synchronous outer step (DiLoCo waits)."""
         return 1 if getattr(outer, "synchronous", False) else max(1, int(self.span))
 
-    def _send_as_is(self, trainer: LocalTrainer, outer: OuterOptimizer | None, inner_steps: int,
-                    pending: Pending, post: Callable[[Any], None]) -> None:
+    def _send_as_is(self, trainer: LocalTrainer, rounds: OuterRounds | None, inner_steps: int,
+                    post: Callable[[Any], None]) -> None:
         """A testnet attacker past its poisoning steps: the model stays as it is, the step
         follows the swarm's, and each round crossed posts that model as the boundary's.
 
@@ -367,31 +364,28 @@ class TrainingService:
         the swarm: a peer ahead makes every honest node skip steps to its round."""
         st = self.stats
         while not self._stop.is_set():
-            if outer is not None:
-                self._apply_outcomes(trainer, outer, pending)
+            if rounds is not None:
+                rounds.apply()
             target = self.swarm_step
             if self.max_steps is not None:
                 target = min(target, self.max_steps)
             if target > st.step:
                 crossed = target // inner_steps > st.step // inner_steps
                 trainer.step_count = st.step = target
-                if crossed and outer is not None:
-                    self._post_boundary(target // inner_steps, trainer, outer, pending, post)
+                if crossed and rounds is not None:
+                    self._post_boundary(target // inner_steps, rounds, post)
             if self.max_steps is not None and st.step >= self.max_steps:
                 st.phase = "done"
                 return
             self._stop.wait(0.05)
 
-    def _post_boundary(self, r: int, trainer: LocalTrainer, outer: OuterOptimizer, pending: Pending,
-                       post: Callable[[Any], None]) -> None:
+    def _post_boundary(self, r: int, rounds: OuterRounds, post: Callable[[Any], None]) -> None:
         """Round r's boundary: a round whose exchange has not come back by now is closed
         locally, and the model goes out for round r's exchange."""
         self.stats.round = r
-        for old in sorted(pending):
-            self._outer_step(trainer, outer, pending.pop(old), Outcome(old, []))
-            self.stats.rounds_local += 1
+        snapshot = rounds.open(r)
         started = time.perf_counter()
-        pending[r] = snapshot = trainer.parameters_vector()
+        outer = rounds.outer
         if compressing(outer):
             # a topk run: the frame of this round's pseudo-gradient goes out, not θ_r (its
             # error feedback is taken now, after every older round was closed above)
@@ -400,34 +394,15 @@ class TrainingService:
             post(Boundary(r, snapshot.clone()))
         self.stats.outer_s += time.perf_counter() - started
 
-    def _wait_for(self, r: int, trainer: LocalTrainer, outer: OuterOptimizer, pending: Pending,
-                  started: float) -> None:
+    def _wait_for(self, r: int, rounds: OuterRounds, started: float) -> None:
         """DiLoCo: no inner step before round r's all-reduce is back (the averager's own
         deadlines bound the wait); the time from posting the boundary to its outcome is
         counted apart from compute."""
-        while r in pending and not self._stop.is_set():
-            self._apply_outcomes(trainer, outer, pending)
-            if r in pending:
+        while r in rounds.pending and not self._stop.is_set():
+            rounds.apply()
+            if r in rounds.pending:
                 self._stop.wait(0.005)
         self.stats.sync_wait_s += time.perf_counter() - started
-
-    def _apply_outcomes(self, trainer: LocalTrainer, outer: OuterOptimizer,
-                        pending: Pending) -> None:
-        while True:
-            try:
-                outcome = self._outcomes.get_nowait()
-            except queue.Empty:
-                return
-            snapshot = pending.pop(outcome.round, None)
-            if snapshot is None:  # too late: that round was already closed locally
-                continue
-            self._outer_step(trainer, outer, snapshot, outcome)
-            if outcome.partner_thetas:
-                self._credit_averaging(outcome)
-                self.stats.rounds_averaged += 1
-                self.stats.last_partner = outcome.partner
-            else:
-                self.stats.rounds_local += 1
 
     def _credit_averaging(self, outcome: Outcome) -> None:
         """An averaged round moved the weights toward the group's mean, so they now carry
@@ -439,27 +414,6 @@ class TrainingService:
         st = self.stats
         group = [st.trained, *(min(t, st.step) for t in outcome.partner_trained if t >= 0)]
         st.trained = max(st.trained, min(st.step, sum(group) // len(group)))
-
-    def _outer_step(self, trainer: LocalTrainer, outer: OuterOptimizer, snapshot: torch.Tensor,
-                    outcome: Outcome) -> None:
-        started = time.perf_counter()
-        try:
-            self._outer_step_timed(trainer, outer, snapshot, outcome)
-        finally:
-            self.stats.outer_s += time.perf_counter() - started
-
-    def _outer_step_timed(self, trainer: LocalTrainer, outer: OuterOptimizer,
-                          snapshot: torch.Tensor, outcome: Outcome) -> None:
-        phi = outer.outer_step(snapshot, outcome.partner_thetas, peers=outcome.peers,
-                               round=outcome.round)
-        if phi is None:  # the outer step keeps the model as it is (a testnet attacker)
-            return
-        from node.ml.optim.overlap import apply_late  # torch: imported once training runs
-
-        trainer.set_parameters_vector(apply_late(trainer.parameters_vector(), snapshot, phi))
-        if aggregating(outer) and outcome.partner_thetas:
-            self.stats.aggregation = {"round": outcome.round, "weights": outer.last_weights,
-                                      "rejected": outer.last_rejected}
 
 
 def _reported_trained(ctx: NodeContext, peer: str) -> int | None:

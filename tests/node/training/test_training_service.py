@@ -14,7 +14,8 @@ from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.trainer.loop import TrainConfig, Trainer
 from node.ml.trainer.tasks import TaskConfig, build_task
 from node.process.priority import TRAINER_NICE
-from node.training.rounds import Outcome
+from node.training.outer_rounds import OuterRounds
+from node.training.rounds import Outcome, TrainingStats
 from node.training.service import TrainingService
 from tests.conftest import await_until
 
@@ -123,17 +124,26 @@ async def test_the_build_and_a_one_thread_first_step_run_at_the_node_priority(th
     assert seen["steps"] == [first, niced, niced]
 
 
-async def test_applied_outer_step_keeps_progress_made_since_the_snapshot():
-    """θ ← φ + (θ_now − θ_r): an outcome applied late moves the weights by φ − θ_r only."""
+def test_applied_outer_step_keeps_progress_made_since_the_snapshot():
+    """θ ← φ + (θ_now − θ_r): an outcome applied late moves the weights by φ − θ_r only;
+    one for a round already closed locally is dropped."""
     trainer, outer, _ = build()()
-    snapshot = trainer.parameters_vector()
+    stats = TrainingStats()
+    rounds = OuterRounds(outer, trainer.parameters_vector, trainer.set_parameters_vector, stats)
+    snapshot = rounds.open(1)
     trainer.step()
     trainer.step()
     live = trainer.parameters_vector()
-    expected_phi = NoLoCo(snapshot, NoLoCoConfig()).outer_step(snapshot, [snapshot + 2.0])
-    service = TrainingService(build(), exchange=None)
-    service._outer_step(trainer, outer, snapshot, Outcome(1, [snapshot + 2.0], peers=("a",)))
+    expected_phi = NoLoCo(snapshot.clone(), NoLoCoConfig()).outer_step(snapshot, [snapshot + 2.0])
+    rounds.deliver(Outcome(1, [snapshot + 2.0], peers=("a",)))
+    rounds.apply()
     assert torch.allclose(trainer.parameters_vector(), expected_phi + (live - snapshot), atol=1e-6)
+    assert (stats.rounds_averaged, stats.rounds_local, rounds.pending) == (1, 0, {})
+    rounds.open(2)
+    rounds.open(3)  # round 2 closed locally: its outcome comes too late
+    rounds.deliver(Outcome(2, [snapshot], peers=("a",)))
+    rounds.apply()
+    assert (stats.rounds_averaged, stats.rounds_local, list(rounds.pending)) == (1, 1, [3])
 
 
 def test_checkpoint_tensors_restore_the_trainer_and_outer_state_exactly():
