@@ -174,9 +174,6 @@ class Node:
                 await nursery.start(service.run, ctx)
             if self.config.run_id is not None:
                 for service in await self._trainer_services():
-                    if (partners := getattr(service, "partners_now", None)) is not None:
-                        # the averager's partners keep their connections past max_peers
-                        self.entry.redialer.protect = partners
                     self.services.append(service)
                     await nursery.start(service.run, ctx)
             ctx.phases.enter("running")
@@ -232,7 +229,8 @@ class Node:
                                      f"{type(e).__name__}: {e}") from e
         # `auto` asks torch; without training, torch loads only for this (in a worker).
         ctx.device = await trio.to_thread.run_sync(resolve_device_name, config.device)
-        return roles.trainer_services(ctx, self._prep) if config.train else []
+        return (roles.trainer_services(ctx, self._prep, self.entry.redialer) if config.train
+                else [])
 
     # -- start and stop -----------------------------------------------------------------------
 

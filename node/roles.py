@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from node.checkpoints.service import CheckpointService
     from node.config import NodeConfig
+    from node.membership.redial import Redialer
     from node.run.rundoc_sync import RunDocSync
     from node.training.build import Prebuild
 
@@ -95,9 +96,11 @@ def prepare_trainer(ctx: NodeContext, rundoc: RunDocSync) -> TrainerPrep:
     return TrainerPrep(checkpoints, prebuilt[0])
 
 
-def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service]:
+def trainer_services(ctx: NodeContext, prep: TrainerPrep | None,
+                     redialer: Redialer) -> list[Service]:
     """Once torch is loaded and the device known: a pipeline run's stage host, or the
-    data-parallel trainer with its averaging (and SybilWall's history gossip)."""
+    data-parallel trainer with its averaging (and SybilWall's history gossip). The
+    averager's recent partners keep their connections past `max_peers` (`redialer`)."""
     config, run = ctx.config, ctx.the_run()
     m = run.manifest
     if m.pipeline is not None:
@@ -133,6 +136,7 @@ def trainer_services(ctx: NodeContext, prep: TrainerPrep | None) -> list[Service
             topk_bounds=sparse.bounds_of(m.outer),
             dial=lambda peer: dial_partner(ctx.substrate, peer,
                                            ctx.membership.addresses_of(peer)))
+        redialer.protect = averager.partners_now
         services.append(averager)
     prebuilt = prep.prebuilt
 
