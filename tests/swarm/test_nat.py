@@ -1,6 +1,7 @@
 """The nat scenario with real node processes behind real NATs (nftables) and a real UPnP
 gateway (Debian's miniupnpd) in network namespaces: AutoNAT classification, a UPnP
 mapping and a dial through it, a gateway that refuses, and a teardown that leaves nothing.
+Two symmetric-NAT nodes training through relays: tests/swarm/test_nat_punch.py.
 Needs root, iproute2, nftables and miniupnpd (`.ci/run` installs them); skipped with the
 reason otherwise."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher, nat, netns
-from tests.conftest import REPO, answer, status, training, wait_until
+from tests.conftest import REPO, answer, status, wait_until
 
 DIAL = """
 import sys, trio, tempfile, pathlib
@@ -148,46 +149,3 @@ def test_the_delay_line_adds_the_round_trip_time_through_a_nat(upnp_available, t
         netns.destroy(topo)
     assert netns.existing(tag) == []
 
-
-def relay(p: launcher.Proc) -> dict:
-    return status(p).get("relay") or {}
-
-
-@pytest.mark.slow  # a bootstrap, a public node and two symmetric-NAT nodes, each a process
-def test_two_symmetric_nat_nodes_train_together_only_through_relays(upnp_available,
-                                                                     testnet_factory):
-    # node1 and node2 average only with each other (fixed neighbours); neither can be
-    # dialed (a symmetric NAT drops unsolicited packets and cannot be punched), so every
-    # round goes through a circuit that the run's public nodes (bootstrap, node3) relay.
-    net = testnet_factory(3, timeout=180, nat={"node1": "symmetric", "node2": "symmetric"},
-                          neighbours={"node1": ["node2"]})
-    topo = launcher.topology(net)
-    assert topo is not None
-    boot, n1, n2, n3 = net.procs
-    ids = {p.name: answer(p)["peer_id"] for p in net.procs}
-    public = {ids["bootstrap"], ids["node3"]}
-
-    for p in (n1, n2):  # private, and a reservation on each of the two public nodes
-        wait_until(lambda p=p: reach(p).get("reachability") == "private", 120,
-                   f"{p.name} private")
-        wait_until(lambda p=p: set(relay(p).get("reservations") or {}) == public, 120,
-                   f"{p.name}'s reservations on both public nodes")
-        addrs = answer(p)["addrs"]
-        for relay_id in public:
-            assert any(f"/p2p/{relay_id}/p2p-circuit/p2p/{ids[p.name]}" in a for a in addrs)
-    # the public nodes relay; a private one does not
-    assert relay(boot)["serving"] is not None and relay(n1)["serving"] is None
-
-    # They reach each other only through a relay, and train together.
-    for p, other in ((n1, n2), (n2, n1)):
-        wait_until(lambda p=p, other=other: (training(p).get("rounds_averaged", 0) >= 2),
-                   300, f"{p.name} to average twice with {other.name}")
-        path = relay(p)["paths"].get(ids[other.name], "")
-        assert path.startswith("relayed via ") and path[len("relayed via "):] in public, path
-        assert training(p)["last_partner"] == ids[other.name]
-    served = [relay(p)["serving"] for p in (boot, n3)]
-    assert sum(s["bytes_relayed"] for s in served) > 0
-    assert sum(s["circuits_total"] for s in served) >= 1
-
-    launcher.down(Path(net.dir))
-    assert netns.existing(topo.tag) == []

@@ -1,8 +1,13 @@
-"""A pipeline run on real node processes (`node testnet up --scenario pipeline`): four
-stages of a small GPT, one node each, placed by themselves; activations and gradients
-over `/peertrain/pipe/1.0.0`; the loss falls; `node kill-stage` of an interior stage is
-recovered by a replacement with CheckFree, and training goes on; a stage host killed and
-started again resumes from its own checkpoint of the stage."""
+"""A pipeline run on real node processes (`node testnet up --scenario pipeline`, whose
+manifest says `recovery = "checkfree"`): four stages of a small GPT, one node each, placed
+by themselves; activations and gradients over `/peertrain/pipe/1.0.0`; the loss falls.
+Then the losses a swarm meets, one after the other on the same testnet (each test first
+waits for every stage to be hosted and training): an interior stage killed is rebuilt by
+a replacement with CheckFree; a stage host killed and started again resumes from its own
+checkpoint; the first stage lost is copied from its neighbours, not restarted from the
+seed; two adjacent stages lost at once are rebuilt from the stages around them (issue 27;
+docs/pipeline.md, "Recovery live"). One testnet for all: building one costs ~15 s and
+warming it up as long again, per file."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher
-from tests.conftest import cli, nodes, pipeline, pipeline_net, wait_until
+from tests.conftest import answer, cli, nodes, pipeline, pipeline_net, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +31,11 @@ def stages_of(net: launcher.Testnet) -> dict[str, int | None]:
 def last_stage(net: launcher.Testnet) -> launcher.Proc:
     return next(p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
                 and pipeline(p).get("stage") == 3)
+
+
+def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
+    return next((p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
+                 and pipeline(p).get("stage") == stage), None)
 
 
 def pipeline_report(net: launcher.Testnet) -> str:
@@ -139,3 +149,71 @@ def test_a_stage_host_started_again_resumes_from_its_own_checkpoint(net):
     wait_until(lambda: pipeline(tail).get("training", {}).get("step", 0)
                >= rec["at_step"] + 10, 300, "10 steps through the resumed stage")
 
+
+
+def test_stage_0_lost_under_the_default_rule_is_copied_not_restarted_from_the_seed(net):
+    """Under `recovery = "checkfree"` the first stage is rebuilt by CheckFree+'s rule: its
+    block copied from its swap partner and its embedding from the copy its neighbour keeps.
+    No swap runs: that is what `recovery = "checkfree+"` adds (test_pipeline_edge.py)."""
+    wait_for_training(net)
+    holder = host_of(net, 1)
+    assert holder is not None
+    wait_until(lambda: (pipeline(holder).get("ends_copies") or {}).get("0", 0) >= 10, 180,
+               "stage 1's copy of stage 0's ends, taken at step 10 or later")
+    tail = host_of(net, 3)
+    assert tail is not None
+    killed, new = launcher.kill_stage(net, 0)
+    assert killed and new is not None
+    net = launcher.Testnet.load(Path(net.dir)) or net
+
+    def rebuilt() -> dict | None:
+        p = host_of(net, 0)
+        rec = (pipeline(p).get("recovery") or {}) if p else {}
+        return rec if rec.get("rule") in ("copy+ends", "none") else None
+
+    rec = wait_until(rebuilt, 180, "stage 0 started mid-run")
+    assert rec["rule"] == "copy+ends", rec  # "none": the seed's weights, as before
+    assert rec["sources"] == [answer(holder)["peer_id"]] and rec["at_step"] > 0, rec
+    wait_until(lambda: pipeline(tail).get("training", {}).get("step", 0)
+               >= rec["at_step"] + 10, 300, "10 steps through the rebuilt first stage")
+    loss = pipeline(tail)["training"]["loss"]
+    assert loss is not None and math.isfinite(loss) and loss < math.log(256) - 1.0, loss
+
+
+def test_two_adjacent_stages_are_rebuilt_from_the_stages_around_them(net):
+    """Stages 1 and 2 lost at once (issue 27 item 3): their two replacements rebuild them
+    from the stages around the lost pair (docs/pipeline.md, "Adjacent losses"), not one
+    from the seed and the other from it."""
+    wait_for_training(net, steps=10)
+    # what earlier tests rebuilt on these stages is older than this: at most this step
+    tail = host_of(net, 3)
+    assert tail is not None
+    before = pipeline(tail).get("training", {}).get("step", 0)
+    launcher.kill_stage(net, 1, replace=False)
+    launcher.kill_stage(net, 2)  # once the survivors lost both: a replacement
+    net = launcher.Testnet.load(Path(net.dir)) or net
+    names = {p.name for p in net.procs}
+    launcher.add_node(net, next(f"node{i}" for i in range(len(names), 99)
+                                if f"node{i}" not in names))
+
+    def rebuilt() -> dict[int, dict] | None:
+        out = {}
+        for p in nodes(net):
+            if not launcher.alive(p.pid, p.state_dir):
+                continue
+            q = pipeline(p)
+            rec = q.get("recovery") or {}
+            if q.get("stage") in (1, 2) and rec.get("at_step", -1) >= before:
+                out[q["stage"]] = rec
+        return out if len(out) == 2 else None
+
+    try:
+        recs = wait_until(rebuilt, 240, "stages 1 and 2 both restarted")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{pipeline_report(net)}") from None
+    # each from the two survivors (stages 0 and 3), weighted by gradient norm / distance
+    assert all(r["rule"] == "average" and len(r["sources"]) == 2 for r in recs.values()), (
+        recs, pipeline_report(net))
+    at = max(r["at_step"] for r in recs.values())
+    wait_until(lambda: pipeline(tail).get("training", {}).get("step", 0) >= at + 10, 300,
+               "10 steps through the rebuilt stages")
