@@ -61,7 +61,7 @@ class ReplicaRounds:
     def after_step(self, step: int) -> None:
         """Apply the outcomes that came; at a round boundary, close the rounds still open
         locally and start this round's exchange (or, alone, let φ follow θ). A driver that
-        jumps to the swarm's step (worker.py: the leader's, or a later step its messages
+        jumps to the swarm's step (drive.py: the leader's, or a later step its messages
         carry) may pass a boundary without landing on it: that round starts where it
         lands, rather than being skipped until the next boundary."""
         self.rounds.apply()

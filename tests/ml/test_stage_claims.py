@@ -106,7 +106,7 @@ def test_each_optimizer_step_counts_one_trained_step(tmp_path):
     import torch
 
     stage.run_blocks(torch.randn(2, 8, service.state.m.model.d_model)).pow(2).mean().backward()
-    worker._apply()
+    worker.apply()
     assert worker.trained == service.state.progress.trained == 41
     assert worker.snapshot("blocks")[3] == 41  # the claim its weights answers carry
 

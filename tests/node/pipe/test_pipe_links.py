@@ -316,7 +316,7 @@ def test_a_dead_stage_costs_micro_batches_never_a_stall_and_its_steps_are_paced(
     begins its next step no sooner than MIN_WAIT_S after the last one began. Unpaced, a
     first stage's counter ran from 251 to 7055 in 3 minutes and the other stages jumped
     to it (issue 27)."""
-    from node.pipe.worker import MIN_WAIT_S
+    from node.pipe.deadlines import MIN_WAIT_S
 
     workers, progress, stop = wire_pipeline(3, dead=1)
     t0 = time.monotonic()
