@@ -79,6 +79,16 @@ class Membership:
         """Peers heard within the ttl (training nodes and bootstraps), sorted by id."""
         return self.book.live(time.monotonic() if now is None else now)
 
+    def recent_count(self, now: float | None = None) -> int:
+        """Peers heard within 10 of their ttls (the book's memory; older ones are
+        forgotten here): the run's size as the heartbeat and announce intervals see it.
+        Not the live count, which a loaded machine's late heartbeats shrink: a smaller
+        count shortens both intervals, and the extra messages load every node further
+        (node/membership/heartbeats.py, `view_size`)."""
+        now = time.monotonic() if now is None else now
+        self.book.expire(now)
+        return len(self.book)
+
     def live_nodes(self) -> list[str]:
         """Ids of live training nodes: the averager's pairing pool."""
         return [e.peer_id for e in self.live() if e.info.get("role") == "node"]

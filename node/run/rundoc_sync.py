@@ -29,6 +29,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,8 @@ class RunDocSync:
         self.syncs = 0
         self._synced_with: set[str] = set()
         self._ctx: NodeContext | None = None
+        # the run's size for the announce interval: run() counts the peers heard recently
+        self.run_size: Callable[[], int] = lambda: len(self.live_peers())
         self.first_sync = trio.Event()  # a joiner's checkpoint service waits for it
         # Synced with before any heartbeat is heard (the peer that served our manifest):
         # waiting for a heartbeat (gossiped every 2 s) cost a joiner 0.5-4.8 s of its
@@ -163,6 +166,7 @@ class RunDocSync:
         self.run_id, self.doc = run.run_id, run.document
         self.path = document_path(ctx.config.state_dir, run.run_id)
         self.live_peers = ctx.membership.live_peers
+        self.run_size = ctx.membership.recent_count
         ctx.substrate.set_handler(PROTOCOL_ID, self._handle)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen)
@@ -218,8 +222,9 @@ class RunDocSync:
                         extra={"peer": source, "reason": f"rundoc {reason}"})
 
     def announce_interval_s(self) -> float:
-        """Seconds between our announces at the view's current size (us included)."""
-        n = len(self.live_peers()) + 1
+        """Seconds between our announces at the run's size (us included; peers heard
+        recently, not only the live ones: Membership.recent_count says why)."""
+        n = self.run_size() + 1
         return heartbeat_interval_s(n, self.announce_s, self.announce_target_per_s)
 
     async def _announce_loop(self) -> None:

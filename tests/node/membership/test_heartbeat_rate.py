@@ -138,3 +138,22 @@ def test_the_service_announces_and_shows_the_interval_of_its_view_size():
     st = svc.statistics()
     assert {"heartbeat_interval_s", "inbound_heartbeats_per_s", "throttled_heartbeats",
             "inbound_heartbeat_bound_per_s"} <= set(st)
+
+
+def test_the_interval_holds_while_heartbeats_are_late_and_relaxes_once_peers_left():
+    """A load spike that delays every heartbeat past its ttl must not shorten the
+    interval (more heartbeats, more load: the 31-node collapse of issue 30); peers that
+    stay silent for 10 ttls are forgotten and the interval follows."""
+    class Ctx:
+        membership = Membership("me", ttl_s=5.0)
+
+    svc = HeartbeatService(["run"], publish=True, interval_s=1.0, target_inbound_per_s=8.0)
+    svc._ctx = Ctx()  # type: ignore[assignment]
+    for i in range(30):
+        Ctx.membership.heard(hb.Heartbeat(f"p{i:02}", 1, interval_ms=3875), now=100.0)
+    assert svc.current_interval_s(100.0) == 31 / 8
+    late = 100.0 + 4 * 3.875 + 1  # every peer past its liveness ttl: none live
+    assert Ctx.membership.live(late) == []
+    assert svc.current_interval_s(late) == 31 / 8
+    gone = 100.0 + 10 * 4 * 3.875 + 1  # silent for 10 ttls: forgotten
+    assert svc.current_interval_s(gone) == 1.0
