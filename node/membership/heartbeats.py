@@ -72,15 +72,10 @@ class HeartbeatService:
         self._size: tuple[float, int] = (float("-inf"), 1)  # (when counted, view size)
 
     def view_size(self, now: float) -> int:
-        """Peers heard recently, us included: the view's memory (PeerBook keeps a peer 10
-        ttls past its last heartbeat), not only the live ones. Counted at most once a
-        second (heartbeats arrive up to `target` times a second).
-
-        Not the live count: on a loaded machine heartbeats arrive late, peers drop out
-        of the live view, a smaller view shortens the interval, and the extra heartbeats
-        load every node further. 31 `--no-train` nodes on 2 cores sized by their live
-        views stayed at 6-9 of 30 peers for 12 minutes, beating every 1.0-1.25 s instead
-        of 31 / 8 = 3.9 s (issue 30). Peers that really left are forgotten 10 ttls on."""
+        """Peers heard recently, us included (`Membership.recent_count`: not the live
+        view, which late heartbeats shrink on a loaded machine; 31 nodes on 2 cores sized
+        by it beat every 1.0-1.25 s instead of 3.9 s, issue 30). Counted at most once a
+        second (heartbeats arrive up to `target` times a second)."""
         when, size = self._size
         if now - when >= 1.0 and self._ctx is not None:
             size = self._ctx.membership.recent_count(now) + 1
