@@ -32,10 +32,12 @@ dropped by every live host from the kill to the end; steps a second before and a
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,21 @@ def _first_step(net: launcher.Testnet, tail: launcher.Proc, fresh: set[str],
           "a step through the rebuilt stage", interval=1.0)
 
 
+@contextlib.contextmanager
+def burning(on: bool) -> Iterator[subprocess.Popen | None]:
+    """One core busy (`yes`) for the block, bounded by timeout(1) too. Stopped with
+    SIGTERM, which timeout passes on to `yes`: SIGKILL would end timeout alone and leave
+    `yes` running to BURN_S (2026-11-28: the burner half ran its last case beside 7)."""
+    yes = (subprocess.Popen(["timeout", str(BURN_S), "yes"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL) if on else None)
+    try:
+        yield yes
+    finally:
+        if yes is not None:
+            yes.terminate()
+            yes.wait()
+
+
 def run_case(sc: Scenario, burner: bool, sizes: dict[str, float], work: Path) -> Case:
     case = Case(sc.kind, sc.stage, sc.recovery, burner=burner)
     tag = f"{sc.kind}-{sc.stage}-{sc.recovery}-{'burner' if burner else 'idle'}"
@@ -229,20 +246,13 @@ def run_case(sc: Scenario, burner: bool, sizes: dict[str, float], work: Path) ->
     mode = "checkfree" if sc.recovery == "restart" else sc.recovery
     manifest.write_text(text.replace('recovery = "checkfree"', f'recovery = "{mode}"'))
     directory = work / f"tn-{tag}"
-    # the burner: one core busy for the whole case, bounded by timeout(1) too
-    yes = (subprocess.Popen(["timeout", str(BURN_S), "yes"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL) if burner else None)
-    try:
+    with burning(burner):
         net = launcher.up(directory, sc.nodes, manifest=manifest, detached=True,
                           stages=sc.stages, timeout=180)
         try:
             _measure(case, sc, net, directory, sizes)
         finally:
             launcher.down(directory)
-    finally:
-        if yes is not None:
-            yes.kill()
-            yes.wait()
     return case
 
 

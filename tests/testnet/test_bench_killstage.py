@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from testnet.bench import killstage as bench
+from tests.conftest import wait_until
 
 
 def case(rule: str | None, after: list[tuple[int, float]]) -> bench.Case:
@@ -78,3 +79,16 @@ def test_a_case_that_failed_is_a_row_that_says_why():
     row = dict(zip(headers, rows[0], strict=True))
     assert row["case"] == "stage 2 killed twice in a row"
     assert row["rule"].startswith("failed: 3 of 5") and row["load 1/5 min"] == "30.1 / 27.0"
+
+
+def test_the_burner_stops_with_its_case():
+    """`yes` runs under timeout(1): a SIGKILL ended timeout alone and left `yes` burning
+    for 30 minutes, so each case of the burner half ran beside one more of them."""
+    with bench.burning(True) as yes:
+        assert yes is not None
+        children = Path(f"/proc/{yes.pid}/task/{yes.pid}/children")
+        child = wait_until(lambda: children.read_text().split(), 10, "timeout to start yes")
+    assert not Path(f"/proc/{child[0]}").exists() or \
+        Path(f"/proc/{child[0]}/stat").read_text().split()[2] == "Z"
+    with bench.burning(False) as none:
+        assert none is None
