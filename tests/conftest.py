@@ -142,6 +142,18 @@ def pipeline(p: launcher.Proc) -> dict:
     return status(p).get("pipeline") or {}
 
 
+def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
+    """A live node of `net` that hosts pipeline `stage`, None while none does."""
+    return next((p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
+                 and pipeline(p).get("stage") == stage), None)
+
+
+def wait_for_ends_copy(holder: launcher.Proc, edge: int, step: int = 10) -> None:
+    """Until `holder` keeps a copy of edge stage `edge`'s ends taken at `step` or later."""
+    wait_until(lambda: (pipeline(holder).get("ends_copies") or {}).get(str(edge), -1) >= step,
+               180, f"{holder.name}'s copy of stage {edge}'s ends, taken at step {step} or later")
+
+
 @contextlib.contextmanager
 def pipeline_testnet(directory: Path, stages: int, manifest: Path | None = None
                      ) -> Iterator[launcher.Testnet]:

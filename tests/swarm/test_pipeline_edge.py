@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher
-from tests.conftest import answer, nodes, pipeline, pipeline_net, wait_until
+from tests.conftest import (
+    answer,
+    host_of,
+    nodes,
+    pipeline,
+    pipeline_net,
+    wait_for_ends_copy,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +31,6 @@ def checkfree_plus(text: str) -> str:
 
 
 net = pipeline_net(stages=4, manifest=checkfree_plus)
-
-
-def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
-    return next((p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
-                 and pipeline(p).get("stage") == stage), None)
 
 
 def rebuilt(net: launcher.Testnet, stage: int) -> dict | None:
@@ -43,8 +46,7 @@ def test_the_edge_stages_are_rebuilt_from_their_partner_and_their_neighbours_cop
     # stage 1 keeps a copy of stage 0's ends, stage 2 of stage 3's, once trained a little
     holder = host_of(net, 1)
     assert holder is not None
-    wait_until(lambda: (pipeline(holder).get("ends_copies") or {}).get("0", 0) >= 10, 180,
-               "stage 1's copy of stage 0's ends, taken at step 10 or later")
+    wait_for_ends_copy(holder, 0)
     other = host_of(net, 2)
     assert other is not None
     wait_until(lambda: "3" in (pipeline(other).get("ends_copies") or {}), 60,

@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from testnet import launcher
-from tests.conftest import answer, cli, nodes, pipeline, pipeline_net, wait_until
+from tests.conftest import (
+    answer,
+    cli,
+    host_of,
+    nodes,
+    pipeline,
+    pipeline_net,
+    wait_for_ends_copy,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +40,6 @@ def stages_of(net: launcher.Testnet) -> dict[str, int | None]:
 def last_stage(net: launcher.Testnet) -> launcher.Proc:
     return next(p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
                 and pipeline(p).get("stage") == 3)
-
-
-def host_of(net: launcher.Testnet, stage: int) -> launcher.Proc | None:
-    return next((p for p in nodes(net) if launcher.alive(p.pid, p.state_dir)
-                 and pipeline(p).get("stage") == stage), None)
 
 
 def pipeline_report(net: launcher.Testnet) -> str:
@@ -168,8 +172,7 @@ def test_stage_0_lost_under_the_default_rule_is_copied_not_restarted_from_the_se
     wait_for_training(net)
     holder = host_of(net, 1)
     assert holder is not None
-    wait_until(lambda: (pipeline(holder).get("ends_copies") or {}).get("0", 0) >= 10, 180,
-               "stage 1's copy of stage 0's ends, taken at step 10 or later")
+    wait_for_ends_copy(holder, 0)
     tail = host_of(net, 3)
     assert tail is not None
     killed, new = launcher.kill_stage(net, 0)
