@@ -6,7 +6,7 @@ import os
 import platform
 import re
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is rewritten by the command named in it.\n"
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:  # a GPU machine running one bench without the node's deps
+        return "(not installed)"
 
 
 def machine() -> str:
@@ -26,7 +33,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    libs = ", ".join(f"{p} {version(p)}" for p in ("libp2p", "trio", "torch"))
+    libs = ", ".join(f"{p} {_version(p)}" for p in ("libp2p", "trio", "torch"))
     return (f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores ({cpu}), "
             f"Python {platform.python_version()}, {libs}")
 

@@ -201,7 +201,7 @@ def main(device: str = "auto", quick: bool = False, d_model: int | None = None,
         if value is not None:
             shape[key] = value
     steps = steps or (5 if quick else 20 if cuda else 10)
-    rounds = rounds or (2 if quick else 3)
+    rounds = rounds or (2 if quick else 5 if cuda else 3)
     load = [os.getloadavg()[0]]
     started = time.perf_counter()
     variants, torch, n_params = build_variants(device, shape, threads, compile_)
@@ -268,8 +268,9 @@ heads, context 1024, batch 16) and rewrites the CUDA block below, leaving the CP
 
     node bench trainer --device cuda
 
-It takes about 2-4 minutes on an H100 (two compiles of the model, about a minute each, the
-second mostly from inductor's cache; then 4 variants x 3 rounds x 20 steps). The CPU run
+It takes about a minute on an H100 (the plain loop's compile, about 20 s with inductor's
+cache cold; the Trainer's own then takes 1 s from that cache; then 4 variants x 5 rounds x
+20 steps). The CPU run
 (`node bench trainer --device cpu`, the demo model) rewrites the CPU block. The CUDA paths'
 tests run on the same machine in about a minute more:
 `pytest -q tests/ml/test_trainer_speed.py tests/ml/test_device_memory.py tests/ml/test_adamw.py`

@@ -63,7 +63,7 @@ def test_estimate_counts_weights_gradients_and_two_adamw_moments():
 
 def test_gpt_activations_follow_the_per_layer_formula():
     # s=64, b=4, h=256, 8 layers, vocab 256, 16-bit activations; no s^2 term (fused SDPA)
-    per_layer = 34 * 64 * 4 * 256
+    per_layer = 37 * 64 * 4 * 256  # Korthikanti et al.'s 34, +9% measured on an H100
     logits = 4 * 64 * 256 * (2 + 4 + 4)
     assert mf.gpt_activation_bytes(4, 64, 256, 8, 4, 256) == int(8 * per_layer + logits)
     fp32 = mf.gpt_activation_bytes(4, 64, 256, 8, 4, 256, half=False)
@@ -75,21 +75,24 @@ def test_gpt_activations_follow_the_per_layer_formula():
         4, 64, 256, 8, 4, 256)
 
 
-# Issue 29, measured on an NVIDIA H100 (torch 2.11, bf16 autocast): the 86M byte GPT at
-# context 1024 peaked at these torch.cuda.max_memory_allocated bytes (GB = 1e9).
-H100_PEAKS = {16: 6.7e9, 32: 11.9e9}
+# Issue 29, measured on an NVIDIA H100 (torch 2.11, bf16 autocast, 2026-11-28): the 86M byte
+# GPT at context 1024 peaked at these torch.cuda.max_memory_allocated bytes (GB = 1e9) over
+# three eager steps.
+H100_PEAKS = {8: 4.11e9, 16: 6.90e9, 32: 12.58e9, 64: 23.81e9}
 GPT_86M = dict(context=1024, d_model=768, n_layers=12, n_heads=12, vocab=256)
 GPT_86M_PARAMS = 85_956_096
 
 
 @pytest.mark.parametrize("batch", sorted(H100_PEAKS))
-def test_the_estimate_matches_the_h100_peaks_of_issue_29(batch):
-    est = mf.estimate(GPT_86M_PARAMS, mf.gpt_activation_bytes(batch, **GPT_86M), half=True)
-    assert est.peak == pytest.approx(H100_PEAKS[batch], rel=0.03)
+def test_the_estimate_covers_the_h100_peaks_of_issue_29_within_10_percent(batch):
+    est = mf.estimate(GPT_86M_PARAMS, mf.gpt_activation_bytes(batch, **GPT_86M), half=True,
+                      cuda=True)
+    assert H100_PEAKS[batch] <= est.peak <= 1.1 * H100_PEAKS[batch]
     assert est.weight_copies == 2 * GPT_86M_PARAMS
     # and batch 64, which the old estimate refused on the 80 GB GPU (it said 64.3 GiB of
     # activations), now asks for about 27 GB with the headroom
-    big = mf.estimate(GPT_86M_PARAMS, mf.gpt_activation_bytes(64, **GPT_86M), half=True)
+    big = mf.estimate(GPT_86M_PARAMS, mf.gpt_activation_bytes(64, **GPT_86M), half=True,
+                      cuda=True)
     assert 20 * GIB < big.total < 30 * GIB
     assert mf.shortfall(big, int(78.66 * GIB), "cuda:0", 64) is None
 
@@ -207,7 +210,7 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(shape):
     free, _ = torch.cuda.mem_get_info()
     n_params = sum(p.numel() for p in task.build_model().parameters())
     half = torch.cuda.is_bf16_supported()
-    est = mf.estimate(n_params, task.activation_bytes(batch, half), half=half)
+    est = mf.estimate(n_params, task.activation_bytes(batch, half), half=half, cuda=True)
     if est.total > free:
         pytest.skip(f"this GPU has {free / GIB:.1f} GiB free, the step needs "
                     f"{est.total / GIB:.1f}")

@@ -19,10 +19,11 @@ torch._dynamo), betas (0.9, 0.95), weight decay on matrices and embeddings only 
 linear warm-up then cosine decay to a floor of lr/10, gradient clipping at 1.0 (spec
 sections 0d and 1d). Its state is never reset or averaged by the outer step.
 
-At the GPU's speed (issue 29; docs/training.md): the loss and gradient norm are read back
-every `sync_every` steps, a non-finite step is skipped on the device and raised at the next
-read-back, AdamW runs its fused kernel on CUDA, a batch may be split into micro-batches,
-and `torch.compile` runs beside training (eager until it is ready).
+At the GPU's speed (issue 29; docs/training.md): the loss and gradient norm are copied back
+every `sync_every` steps without the host waiting for them, a non-finite step is skipped on
+the device and raised once its read-back is in, AdamW runs its fused kernel on CUDA, a
+batch may be split into micro-batches, and `torch.compile` runs beside training (eager
+until it is ready).
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ class StepStats:
     # every step, so measured == step)
     loss: float
     lr: float  # learning rate this step used
-    # host wall time of the step (evaluation excluded); on CUDA the kernels of the steps
-    # between read-backs finish during the step that reads back, so sum steps, not one
+    # host wall time of the step (evaluation excluded); on CUDA the host runs ahead of the
+    # kernels, so only sums of steps between two flush()es are the GPU's time
     seconds: float
     grad_norm: float
     val_loss: float | None = None  # set when this step triggered an evaluation
@@ -169,6 +170,10 @@ def torch_compiler(model: nn.Module, example: torch.Tensor) -> Callable[[torch.T
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
         compiled(example)
     return compiled
+
+
+def _landed(event: torch.cuda.Event | None) -> bool:
+    return event is None or event.query()
 
 
 class Trainer:
@@ -219,6 +224,12 @@ class Trainer:
         # that makes AdamW skip every update from the first non-finite step on (see step()).
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._found_inf = torch.zeros((), device=self.device)
+        # On CUDA a read-back is a copy queued behind the step's kernels and collected once it
+        # has landed (the next step that finds it done, or the next read-back), so the host
+        # never waits for the GPU in steady state: a blocking read would drain the GPU's queue
+        # every `sync_every` steps. On a CPU the values are there when the step returns.
+        self.read_back_async = cuda
+        self._in_flight: tuple[list[int], torch.Tensor, torch.cuda.Event | None] | None = None
 
         # Compiling beside training: the steps run eager until the compiled forward is
         # ready, so compile time never delays a step (a join's first one included).
@@ -258,17 +269,19 @@ class Trainer:
         if free_bytes is None:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
         batch, half = self.config.batch_size, self._half()
+        cuda = self.device.type == "cuda"
         tries = ([self.config.grad_accum] if self.config.grad_accum else
                  [k for k in range(1, batch + 1) if batch % k == 0])
         for accum in tries:
             est = estimate(self.n_params, self.task.activation_bytes(batch // accum, half),
-                           half=half)
+                           half=half, cuda=cuda)
             if shortfall(est, free_bytes, str(self.device), batch // accum) is None:
                 return accum
         # none fits: say so for the whole batch (or the micro-batch asked for), with the
         # batch that would fit
         micro = batch // tries[0]
-        est = estimate(self.n_params, self.task.activation_bytes(micro, half), half=half)
+        est = estimate(self.n_params, self.task.activation_bytes(micro, half), half=half,
+                       cuda=cuda)
         raise DeviceMemoryError(shortfall(est, free_bytes, str(self.device), micro) or "")
 
     def _warmup_fits(self) -> bool:
@@ -277,7 +290,7 @@ class Trainer:
         free, _ = torch.cuda.mem_get_info(self.device)
         half = self._half()
         act = self.task.activation_bytes(self.config.batch_size // self.accum, half)
-        if estimate(self.n_params, 2 * act, half=half).total <= free:
+        if estimate(self.n_params, 2 * act, half=half, cuda=True).total <= free:
             return True
         log.info("not compiling: the compile's warm-up would not fit beside training")
         return False
@@ -356,8 +369,12 @@ class Trainer:
         self.step_count = number
         self._pending.append((number, loss, grad_norm))
         evaluating = bool(self.config.eval_every) and number % self.config.eval_every == 0
-        if evaluating or self.last_loss is None or number % self.sync_every == 0:
+        if evaluating or self.last_loss is None:
             self.flush()
+        elif number % self.sync_every == 0:
+            self._read_back_later()
+        elif self._in_flight is not None and _landed(self._in_flight[2]):
+            self._collect()
         seconds = time.perf_counter() - started
 
         val_loss = self.evaluate() if evaluating else None
@@ -399,22 +416,52 @@ class Trainer:
             return self.model(x)
 
     def flush(self) -> None:
-        """Read the pending steps' losses and gradient norms back to the host (one sync),
-        and raise `TrainingDiverged` for the first non-finite one: the device skipped its
-        update and every later one, so the trainer goes back to the step before it."""
-        if not self._pending:
-            return
+        """Read every step not read back yet to the host (one sync), and raise
+        `TrainingDiverged` for the first non-finite one: the device skipped its update and
+        every later one, so the trainer goes back to the step before it."""
+        self._collect()
+        if self._pending:
+            self._launch_read_back()
+            self._collect()
+
+    def _read_back_later(self) -> None:
+        """The pending steps' read-back queued (synchronous where `read_back_async` is off);
+        the one before it, long landed, collected first."""
+        self._collect()
+        self._launch_read_back()
+        if not self.read_back_async:
+            self._collect()
+
+    def _launch_read_back(self) -> None:
         pending, self._pending = self._pending, []
         values = torch.stack([torch.stack([loss.float(), norm.float()])
-                              for _, loss, norm in pending]).tolist()
-        for (number, _, _), (loss, norm) in zip(pending, values, strict=True):
+                              for _, loss, norm in pending])
+        event = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = host
+        self._in_flight = ([number for number, _, _ in pending], values, event)
+
+    def _collect(self) -> None:
+        """Take in the read-back in flight (waiting for it if it has not landed)."""
+        if self._in_flight is None:
+            return
+        numbers, host, event = self._in_flight
+        self._in_flight = None
+        if event is not None:
+            event.synchronize()
+        for number, (loss, norm) in zip(numbers, host.tolist(), strict=True):
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self.step_count = number - 1
                 self._found_inf.zero_()
+                self._pending = []  # skipped on the device too (found_inf was set)
                 self.optimizer.zero_grad(set_to_none=True)
                 raise TrainingDiverged(number, loss)
-        self.last_loss, self.last_grad_norm = values[-1]
-        self.measured = pending[-1][0]
+            self.last_loss, self.last_grad_norm = loss, norm
+            self.measured = number
 
     def evaluate(self) -> float:
         """Validation loss over `eval_batches` fixed batches (the same on every call)."""
@@ -541,5 +588,5 @@ class Trainer:
             raise TrainerStateError(f"state does not fit this model: {exc}") from exc
         self.data_rng.set_state(state["data_rng"])  # type: ignore[arg-type]
         self.step_count = int(state["step"])  # type: ignore[call-overload]
-        self._pending = []  # what they said is about weights that are gone
+        self._pending, self._in_flight = [], None  # about weights that are gone
         self._found_inf.zero_()
