@@ -186,7 +186,7 @@ def wan(quick: Quick = False,
         gpu: Annotated[bool, typer.Option(
             "--gpu", help="The 86M model at an H100's step time (a timed stand-in "
             "trainer): NoLoCo and DiLoCo, bf16 and compressed.")] = False,
-        step_ms: Annotated[float, typer.Option(help="--gpu: ms per inner step.")] = 35.8,
+        step_ms: Annotated[float, typer.Option(help="--gpu: ms per inner step.")] = 27.2,
         compressed: Annotated[str | None, typer.Option(
             help="--gpu: the compressed codec (default: one protocols/codecs.py knows).",
             show_default=False)] = None,

@@ -2,7 +2,7 @@
 validation loss, each run for real in the same emulated internet.
 
     node bench wan [--quick] [--rate 100mbit] [--rtt 50]      (root: network namespaces)
-    node bench wan --gpu [--step-ms 35.8] [--compressed CODEC] [--seconds 150]
+    node bench wan --gpu [--step-ms 27.2] [--compressed CODEC] [--seconds 150]
 
 Four public nodes and a bootstrap, each in its own network namespace; every WAN link is
 shaped to `--rate` both ways (tc tbf) and crosses the userspace delay line that adds

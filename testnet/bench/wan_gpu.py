@@ -1,16 +1,16 @@
 """`node bench wan --gpu`: NoLoCo and DiLoCo across the emulated WAN at an H100's speed.
 
-    node bench wan --gpu [--step-ms 35.8] [--compressed CODEC] [--seconds 150] [--scale 1]
+    node bench wan --gpu [--step-ms 27.2] [--compressed CODEC] [--seconds 150] [--scale 1]
 
 Four nodes and a bootstrap in network namespaces, every link `--rate` (100 Mbit/s) both
 ways with `--rtt` (50 ms), as `node bench wan`; the run is the 86M-parameter byte-level GPT
 (d_model 768, 12 layers, 12 heads, context 1024, batch 16; 85,956,096 parameters), an
 outer step every H = 50 inner steps. Each trainer is the timed stand-in
-(node/training/timed.py): it takes `--step-ms` per step (35.8 ms: our Trainer.step() at
-batch 16 on an H100, issue 29; 26.7 ms: a compiled plain loop) and hands out a real-size
-vector that drifts and jitters by the magnitudes measured on the real trainer. What the
-network carries, when, and how much of the wall time the trainer computes are real; the
-loss is not measured here (`node bench convergence`).
+(node/training/timed.py): it takes `--step-ms` per step (27.2 ms: our Trainer.step() with
+compile on at batch 16 on an H100, docs/benchmarks.md `trainer`; 35.8 ms before, issue 29)
+and hands out a real-size vector that drifts and jitters by the magnitudes measured on the
+real trainer. What the network carries, when, and how much of the wall time the trainer
+computes are real; the loss is not measured here (`node bench convergence`).
 
 Cases, side by side: NoLoCo and DiLoCo (synchronous, the baseline), each with bf16 on the
 wire and with the compressed codec named by `--compressed` (default: one that
@@ -41,7 +41,7 @@ from testnet import netns
 from testnet.bench import wan
 from testnet.bench.report import DOC, machine, md_table, write_section
 
-STEP_MS = 35.8  # Trainer.step(), batch 16, H100, bf16 autocast (issue 29)
+STEP_MS = 27.2  # Trainer.step() + compile, batch 16, H100, bf16 (bench:trainer-cuda)
 SECONDS = 150
 PARAMS = 85_956_096  # node.training.timed.model_params of MANIFEST's model
 VECTORS_PER_NODE = 9  # peak whole-model fp32 vectors a node holds (docstring), measured
