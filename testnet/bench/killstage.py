@@ -71,9 +71,10 @@ QUICK = {"train_s": 30.0, "readings": 8, "between_s": 15.0}
 AFTER_S = 300.0  # bounded: the wait for the rebuilt stage and the readings after it
 READINGS_S = 90.0  # the 5 readings before the kill must come within this
 LATER_S = 30.0  # "30 s after": past the first step through the rebuilt stage
+STEADY_S = 30.0  # then this long more, for the rate once the replacement has settled
 BURN_S = 1800  # the burner's own bound (timeout(1)), in case this process dies first
-CASE_S = {"interior": 200, "edge": 200, "restart": 200, "replica": 230, "twice": 300,
-          "adjacent": 260}  # a full case's rough length idle (see docs/benchmarks.md)
+CASE_S = {"interior": 230, "edge": 230, "restart": 230, "replica": 260, "twice": 330,
+          "adjacent": 290}  # a full case's rough length idle (see docs/benchmarks.md)
 
 
 @dataclass
@@ -110,19 +111,31 @@ class Case:
         return what + (", beside `yes`" if self.burner else "")
 
     def loss_later(self) -> float | None:
-        """The first reading LATER_S or more past the first step through the stage."""
+        """The mean of the first 5 readings LATER_S or more past the first step through
+        the stage (fewer if the case ended first), as "loss before" is the mean of 5: one
+        reading is one batch's loss."""
         if self.first_step_s is None or len(self.after_s) != len(self.after):
             return None
-        return next((loss for (_, loss), t in zip(self.after, self.after_s, strict=True)
-                     if t >= self.first_step_s + LATER_S), None)
+        later = [loss for (_, loss), t in zip(self.after, self.after_s, strict=True)
+                 if t >= self.first_step_s + LATER_S][:5]
+        return statistics.fmean(later) if later else None
 
-    def rates(self) -> tuple[float | None, float | None]:
-        """Steps a second at the last stage: over the readings before, and after."""
+    def rates(self) -> tuple[float | None, float | None, float | None]:
+        """Steps a second at the last stage: before the kill, in the LATER_S after the
+        first step through the rebuilt stage (the replacement still starting up beside the
+        others: torch's import, its first steps), and from then on."""
         def rate(rows: list[tuple[int, float]], ts: list[float]) -> float | None:
             if len(rows) < 2 or len(ts) != len(rows) or ts[-1] <= ts[0]:
                 return None
             return (rows[-1][0] - rows[0][0]) / (ts[-1] - ts[0])
-        return rate(self.before, self.before_s), rate(self.after, self.after_s)
+        if self.first_step_s is None or len(self.after_s) != len(self.after):
+            return rate(self.before, self.before_s), None, None
+        cut = self.first_step_s + LATER_S
+        early = [i for i, t in enumerate(self.after_s) if t <= cut]
+        late = [i for i, t in enumerate(self.after_s) if t >= cut]
+        return (rate(self.before, self.before_s),
+                rate([self.after[i] for i in early], [self.after_s[i] for i in early]),
+                rate([self.after[i] for i in late], [self.after_s[i] for i in late]))
 
 
 def _pipeline(p: launcher.Proc) -> dict[str, Any]:
@@ -291,7 +304,7 @@ def _measure(case: Case, sc: Scenario, net: launcher.Testnet, directory: Path,
     while time.monotonic() - killed_at < AFTER_S:
         now = time.monotonic() - killed_at
         if case.first_step_s is not None and len(case.after) >= sizes["readings"] \
-                and now >= case.first_step_s + LATER_S + 2:
+                and now >= case.first_step_s + LATER_S + STEADY_S:
             break
         if at_step is None and (recs := _rebuilt(net, fresh, watch)):
             case.rebuilt_s = round(now, 1)
@@ -315,8 +328,8 @@ def _measure(case: Case, sc: Scenario, net: launcher.Testnet, directory: Path,
 def table(cases: list[Case]) -> tuple[list[str], list[list[str]]]:
     headers = ["case", "rule", "loss before", "replacement started s", "rebuilt s",
                "first step s", "first loss after", "loss 30 s after", "worst after",
-               "mean of last 5 after", "micro-batches dropped", "steps/s before -> after",
-               "load 1/5 min"]
+               "mean of last 5 after", "micro-batches dropped",
+               "steps/s before -> first 30 s -> next 30 s", "load 1/5 min"]
     rows = []
     for c in cases:
         if c.error is not None:
@@ -325,7 +338,7 @@ def table(cases: list[Case]) -> tuple[list[str], list[list[str]]]:
         before = statistics.fmean(loss for _, loss in c.before)
         losses = [loss for _, loss in c.after]
         later = c.loss_later()
-        rate_before, rate_after = c.rates()
+        rate_before, rate_early, rate_late = c.rates()
         rows.append([
             c.name, c.rule or "-", f"{before:.2f}", _s(c.started_s), _s(c.rebuilt_s),
             _s(c.first_step_s), f"{losses[0]:.2f}" if losses else "-",
@@ -333,7 +346,7 @@ def table(cases: list[Case]) -> tuple[list[str], list[list[str]]]:
             f"{max(losses):.2f}" if losses else "-",
             f"{statistics.fmean(losses[-5:]):.2f} (steps {c.after[-1][0] - c.after[0][0] + 1})"
             if losses else "-", "-" if c.dropped is None else str(c.dropped),
-            f"{_r(rate_before)} -> {_r(rate_after)}", c.load])
+            f"{_r(rate_before)} -> {_r(rate_early)} -> {_r(rate_late)}", c.load])
     return headers, rows
 
 
@@ -361,8 +374,9 @@ def section(cases: list[Case], quick: bool, total_s: float, names: list[str] | N
         f"case) trains, then hosts are SIGKILLed and replacements started, which rebuild "
         f"the stages by themselves. \"beside `yes`\": one CPU burner for the whole case. "
         f"Seconds are from the kill; losses are the last stage's (nats/byte; ln 256 = 5.55 "
-        f"untrained), read once a second; \"30 s after\" is 30 s past the first step "
-        f"through the rebuilt stage; micro-batches dropped are every live host's, from the "
+        f"untrained), read once a second; \"loss before\" is the mean of the last 5 readings "
+        f"before the kill, \"30 s after\" the mean of the first 5 from 30 s past the first "
+        f"step through the rebuilt stage; micro-batches dropped are every live host's, from the "
         f"kill to the end.",
         md_table(headers, rows),
         "The replacement starts once a survivor's view has lost the dead host (one "

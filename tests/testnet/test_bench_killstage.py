@@ -47,14 +47,16 @@ def test_the_new_cases_read_30_s_later_the_drops_and_the_rates():
     c = bench.Case("replica", 1, "checkfree", burner=True, load="9.0 / 8.0",
                    before=[(100 + 2 * i, 2.5) for i in range(5)],
                    before_s=[10.0 + i for i in range(5)], rebuilt_s=30.0, rule="copy",
-                   first_step_s=31.0, after=[(120, 3.1), (121, 2.9), (130, 2.6), (140, 2.55)],
+                   first_step_s=31.0, after=[(120, 3.1), (121, 2.9), (130, 2.6), (140, 2.5)],
                    after_s=[31.0, 40.0, 61.0, 71.0], dropped=12)
     headers, rows = bench.table([c])
     row = dict(zip(headers, rows[0], strict=True))
     assert row["case"] == "one replica of stage 1 (3x2), beside `yes`"
-    assert row["first loss after"] == "3.10" and row["loss 30 s after"] == "2.60"
+    # from 30 s past the first step: the mean of up to 5 readings, as "loss before"
+    assert row["first loss after"] == "3.10" and row["loss 30 s after"] == "2.55"
     assert row["micro-batches dropped"] == "12"
-    assert row["steps/s before -> after"] == "2.00 -> 0.50"  # 8 steps in 4 s; 20 in 40 s
+    # 8 steps in 4 s; 10 in the 30 s after the first step; 10 in the 10 s from then on
+    assert row["steps/s before -> first 30 s -> next 30 s"] == "2.00 -> 0.33 -> 1.00"
     names = {bench.Case(s.kind, s.stage, s.recovery).name for s in bench.SCENARIOS.values()}
     assert {"stage 2 killed twice in a row", "adjacent stages 1 and 2",
             "edge stage 0, checkfree", "edge stage 0, checkfree+"} <= names
