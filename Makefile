@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NODES  ?= 4
 
-.PHONY: demo test test-fast lint bench venv clean
+.PHONY: demo test test-fast lint bench bench-gpu venv clean
 
 venv: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ lint: venv
 
 bench: venv
 	$(BIN)/node bench all
+
+# On a machine with a CUDA GPU, with the machine's own CUDA build of torch (not the venv's
+# CPU wheel): the trainer bench on CUDA, the CUDA tests, a join's compile (about 4 min).
+bench-gpu:
+	bash testnet/bench/gpu_checks.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

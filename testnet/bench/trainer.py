@@ -271,11 +271,11 @@ heads, context 1024, batch 16) and rewrites the CUDA block below, leaving the CP
 It takes about a minute on an H100 (the plain loop's compile, about 20 s with inductor's
 cache cold; the Trainer's own then takes 1 s from that cache; then 4 variants x 5 rounds x
 20 steps). The CPU run
-(`node bench trainer --device cpu`, the demo model) rewrites the CPU block. The CUDA paths'
-tests run on the same machine in about a minute more:
-`pytest -q tests/ml/test_trainer_speed.py tests/ml/test_device_memory.py tests/ml/test_adamw.py`
-(the memory estimate against the measured peak, fused AdamW against torch's, the NaN caught
-on the GPU, accumulation, a real `torch.compile` beside training).
+(`node bench trainer --device cpu`, the demo model) rewrites the CPU block. `make
+bench-gpu` (testnet/bench/gpu_checks.sh, about 4 minutes on an H100) runs this, the same at
+batch 32, the CUDA paths' tests (the memory estimate against the measured peak, fused AdamW
+against torch's, the NaN caught on the GPU, accumulation, a real `torch.compile` beside
+training) and a join's compile timing (testnet/bench/gpu_join.py) in one go.
 """
 
 
