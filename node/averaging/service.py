@@ -7,9 +7,10 @@ whom and when, and pumps a libp2p stream through it:
   membership (node/ml/optim/pairing.py), so both sides agree without a coordinator. Within a
   group the peer with the smaller id dials. If views differ, the responder rejects an
   initiator that is not in its group, and both fall back to a local step.
-* Deadlines come from measurements, not constants: each partner's observed throughput
-  (EWMA) gives the expected transfer time of our vector, and the trainer's measured step
-  time gives the slack for a partner that reaches the round boundary a little later.
+* Deadlines come from measurements, not constants (estimates.py): each partner's observed
+  throughput (EWMA) gives the expected transfer time of our vector, and the trainer's
+  measured step time gives the slack for a partner that reaches the round boundary a
+  little later.
 * A partner that is gone, slow, rejects, or sends anything invalid (wrong shape, NaN/Inf,
   unknown codec, truncated frame) costs one local outer step and a logged reason.
 * `outer.codec = "topk"`: the snapshot is a `Compressed` (the trainer's encoded sparse
@@ -36,12 +37,12 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from node.averaging import adapt
+from node.averaging.estimates import ExchangeEstimates, Progress
 from node.training.rounds import Compressed, Outcome
 from node.transport.lane import LaneListener, connect_lane, listen_host
 from node.transport.streams import ByteStream, close_quietly, pump, write_chunks
 from node.transport.transports import Transports
 from p2p.host import Substrate
-from p2p.timing import Timings
 from protocols import averaging as av
 from protocols import codecs as _codecs
 from protocols import sparse
@@ -54,56 +55,6 @@ MAX_IN_FLIGHT = 2  # exchanges with one partner at once (rounds may be shorter t
 HANDSHAKE_RTTS = 6  # round trips before the first vector byte, with margin (deadline)
 ALLREDUCE_STEPS = 64  # DiLoCo: step k of round r's all-reduce is exchange round r * 64 + k
 LANE_RETRY_S = 300.0  # a partner whose bulk lane failed gets the libp2p stream this long
-# Before the first exchange is measured, its seconds are estimated at this wire rate (both
-# directions together): a 100 Mbit/s home link, full duplex. The training service sizes its
-# first span with it (node/training/service.py, "Spans"); measurements replace it.
-PRIOR_WIRE_BYTES_PER_S = 25e6
-# Benchmarks that scale the model and the link alike (`node bench wan --gpu --scale S`) scale
-# this prior too, or their first exchanges would be S times too optimistic.
-PRIOR_ENV = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S"
-# An exchange cut by its deadline counts as a slow link (Averager._too_slow) only while its
-# bytes were still arriving: none for this long (or this share of the deadline) is a stall.
-STALL_S = 2.0
-STALL_SHARE = 0.1
-
-
-def prior_wire_rate() -> float:
-    """PRIOR_WIRE_BYTES_PER_S, or the environment's value if it is a positive number."""
-    import os
-
-    raw = os.environ.get(PRIOR_ENV, "")
-    try:
-        value = float(raw) if raw else PRIOR_WIRE_BYTES_PER_S
-    except ValueError:
-        value = PRIOR_WIRE_BYTES_PER_S
-    return value if value > 0 else PRIOR_WIRE_BYTES_PER_S
-
-
-@dataclass
-class PartnerStats:
-    bytes_per_s: float = 50e6  # prior until measured: a modest LAN link
-    exchanges: int = 0
-    failures: int = 0
-    # Bytes of tensors by path: "lane" (the bulk TCP lane), "stream" (libp2p) or "webrtc".
-    sent: Counter[str] = field(default_factory=Counter)
-    received: Counter[str] = field(default_factory=Counter)
-    last_exchange_unix: float | None = None  # wall clock, for the status page
-    last_seconds: float | None = None
-    # Bytes on the wire per second during the swap alone (both directions, after the
-    # codec; not the wait at the boundary): what `outer.codec = "auto"` decides by.
-    wire_bytes_per_s: float | None = None
-    last_codec: str | None = None
-    kept_off_relay: int = 0  # rounds skipped: the payload was over network.relay_exchange_mb
-
-
-@dataclass
-class _Progress:
-    """One swap under way: when it began, its size each way, what has arrived and when."""
-
-    started: float
-    total: int  # our payload's bytes: the partner's is the same codec and size
-    received: int = 0
-    last: float = 0.0  # time.monotonic() of the last byte received
 
 
 @dataclass
@@ -160,12 +111,11 @@ class Averager:
         self.step_time = step_time
         self.inner_steps = inner_steps
         self.stats = stats  # TrainingStats: bytes_sent / bytes_received live there
-        self.partners: dict[str, PartnerStats] = {}
-        self.exchange_seconds = Timings()  # successful exchanges, start to vector received
-        self._exchange_s: float | None = None  # their EWMA (expected_exchange_s)
-        self._exchange_s_bound = False  # _exchange_s is only a bound from timeouts so far
-        self.prior_wire_rate = prior_wire_rate()
-        self._progress: dict[tuple[int, str], _Progress] = {}  # (round, partner) -> swap
+        # each partner's measured link and this node's exchange seconds (estimates.py)
+        self.estimates = ExchangeEstimates()
+        self.partners = self.estimates.partners
+        self.exchange_seconds = self.estimates.seconds
+        self._progress: dict[tuple[int, str], Progress] = {}  # (round, partner) -> swap
         self._rounds: dict[int, _Round] = {}
         self._current = 0
         # Bulk lanes (protocols/lane.py) unless disabled, or a partner's lane failed in the
@@ -274,7 +224,7 @@ class Averager:
         why = self._over_relay_limit(partner, numel)
         if why is None:
             return False
-        st = self.partners.setdefault(partner, PartnerStats())
+        st = self.estimates.of(partner)
         if not st.kept_off_relay:
             log.info("%s %s; local steps until a direct, punched or webrtc path appears",
                      partner, why)
@@ -282,28 +232,19 @@ class Averager:
         return True
 
     def deadline(self, partner: str, numel: int) -> float:
-        """Expected transfer (4x margin), the handshake's round trips (opening the stream,
-        offer and accept, the lane's dial: HANDSHAKE_RTTS of the partner's measured RTT),
-        plus the skew a partner may have at the boundary."""
-        st = self.partners.get(partner)
-        rate = (st or PartnerStats()).bytes_per_s
-        transfer = 2 * numel * 4 / max(rate, 1e5)
-        if st is None or not st.exchanges:
-            # a partner never measured: at least what our own exchanges took (or the prior
-            # wire rate's estimate): each new partner's first exchange timed out on a link
-            # slower than the LAN prior, a local round each (`node bench wan --gpu`)
-            transfer = max(transfer, self.expected_exchange_s(numel))
-        skew = 0.5 * self.inner_steps * self.step_time()
-        rtt = self.transports.rtt_s(partner) or 0.0
-        return max(2.0, 4 * transfer + HANDSHAKE_RTTS * rtt + skew)
+        """Seconds an exchange of `numel` values with `partner` may take (estimates.py): the
+        transfer, HANDSHAKE_RTTS of its measured round trip (opening the stream, offer and
+        accept, the lane's dial), and the skew a partner may have at the boundary."""
+        return self.estimates.deadline(
+            partner, numel, expected_s=self.expected_exchange_s(numel),
+            skew_s=0.5 * self.inner_steps * self.step_time(),
+            rtt_s=self.transports.rtt_s(partner) or 0.0, handshake_rtts=HANDSHAKE_RTTS)
 
     def expected_exchange_s(self, numel: int) -> float:
         """Seconds one exchange of `numel` values takes: the EWMA of those measured, or
-        before the first, the codec's payload both ways at PRIOR_WIRE_BYTES_PER_S."""
-        if self._exchange_s is not None:
-            return self._exchange_s
+        before the first, the codec's payload both ways at the prior wire rate."""
         codec = "bf16" if self.auto_codec else self.codecs[0]
-        return 2 * self._payload_bytes(codec, numel) / self.prior_wire_rate
+        return self.estimates.expected_s(self._payload_bytes(codec, numel))
 
     def _payload_bytes(self, codec: str, numel: int) -> int:
         """One direction's bytes: the codec's size, or for topk the largest frame the run's
@@ -315,52 +256,8 @@ class Averager:
                                    b.max_value_bits, b.max_anchor_bits if b.max_anchor_bits >= 2
                                    else 0)
 
-    def _too_slow(self, partner: str, limit: float, numel: int,
-                  progress: _Progress | None = None) -> None:
-        """An exchange ran out of its deadline. Where the partner's vector was arriving, it
-        takes at least `limit` plus what the rest would have taken at the rate seen.
-        Without this, a prior rate above the link's kept every deadline (and the span sized
-        from the expected seconds) too short for any exchange to finish and be measured: at
-        6 Mbit/s, 32 rounds local in a row (`node bench wan --gpu`). So the expected seconds
-        become that estimate, and the partner's rate estimate at most half what it was (the
-        next deadline at least doubles)."""
-        st = self.partners.setdefault(partner, PartnerStats())
-        now = time.monotonic()
-        if (progress is None or progress.received == 0
-                or now - progress.last > max(STALL_S, STALL_SHARE * limit)):
-            # Nothing arrived (the partner never came: views of the round or the span that
-            # differ, a late trainer), or the bytes had stopped (a partner killed or stalled
-            # mid-swap): neither says anything of the link. A longer deadline next time, the
-            # expected seconds left alone: taken as slowness, one killed partner grew a LAN
-            # testnet's span, and a restarted node's jump with it (tests/swarm/test_churn.py).
-            st.bytes_per_s /= 2
-            return
-        seconds = now - progress.started
-        left = max(0, progress.total - progress.received)
-        # at most twice the deadline: early bytes are slow (TCP's slow start, other swaps
-        # still on the link)
-        expected = min(2 * limit, limit + left * seconds / progress.received)
-        st.bytes_per_s = min(st.bytes_per_s / 2, 2 * numel * 4 / expected)
-        self._exchange_s = max(self._exchange_s or 0.0, expected)
-        self._exchange_s_bound = True
-
-    def _record(self, partner: str, nbytes: int, seconds: float, ok: bool) -> None:
-        st = self.partners.setdefault(partner, PartnerStats())
-        if ok and seconds > 0:
-            st.bytes_per_s = 0.7 * st.bytes_per_s + 0.3 * (nbytes / seconds) if st.exchanges \
-                else nbytes / seconds
-            st.exchanges += 1
-            st.last_exchange_unix, st.last_seconds = time.time(), round(seconds, 3)
-            self.exchange_seconds.observe(seconds)
-            # the first measurement replaces a bound left by exchanges that ran out of time
-            self._exchange_s = seconds if self._exchange_s is None or self._exchange_s_bound \
-                else 0.7 * self._exchange_s + 0.3 * seconds
-            self._exchange_s_bound = False
-        elif not ok:
-            st.failures += 1
-
     def _count(self, partner: str, path: str, sent: int, received: int) -> None:
-        st = self.partners.setdefault(partner, PartnerStats())
+        st = self.estimates.of(partner)
         st.sent[path] += sent
         st.received[path] += received
         if self.stats is not None:
@@ -482,13 +379,14 @@ class Averager:
                 raise RemoteProtocolError("partner did not complete the exchange")
             results[partner] = theta
             self._progress.pop((r, partner), None)
-            self._record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
+            self.estimates.record(partner, 2 * numel * 4, time.monotonic() - started, ok=True)
         except trio.TooSlowError:
-            self._record(partner, 0, 0, ok=False)
-            self._too_slow(partner, limit, numel, self._progress.pop((r, partner), None))
+            self.estimates.record(partner, 0, 0, ok=False)
+            self.estimates.timed_out(partner, limit, numel,
+                                     self._progress.pop((r, partner), None))
             log.info("round %d: partner %s not done within %.1f s; local step", r, partner, limit)
         except Exception as e:
-            self._record(partner, 0, 0, ok=False)
+            self.estimates.record(partner, 0, 0, ok=False)
             log.info("round %d: exchange with %s failed (%s); local step", r, partner,
                      _reason(e))
 
@@ -651,8 +549,8 @@ class Averager:
             else ex.send_vector(snapshot)
         sent = sum(len(memoryview(c).cast("B")) for c in chunks)
         received = 0
-        # What arrived so far, for an exchange that runs out of its deadline (_too_slow)
-        progress = _Progress(started, sent)
+        # What arrived so far, for an exchange that runs out of its deadline (timed_out)
+        progress = Progress(started, sent)
         self._progress[(r, partner)] = progress
         while len(self._progress) > 4 * MAX_IN_FLIGHT * max(1, self.group_size):
             del self._progress[next(iter(self._progress))]  # bounded: oldest first

@@ -46,7 +46,7 @@ SECONDS = 150
 PARAMS = 85_956_096  # node.training.timed.model_params of MANIFEST's model
 VECTORS_PER_NODE = 9  # peak whole-model fp32 vectors a node holds (docstring), measured
 PENDING = "pending compressed codec"
-# node/averaging/service.py's (testnet/ imports no node service): the averager's prior
+# node/averaging/estimates.py's (testnet/ imports no node service): the averager's prior
 # wire rate, a 100 Mbit/s link both ways, and the variable that overrides it
 PRIOR_ENV, PRIOR_WIRE_BYTES_PER_S = "PEERTRAIN_PRIOR_WIRE_BYTES_PER_S", 25e6
 DENSE = {"fp32", "bf16", "int8", "fp32+zstd", "bf16+zstd"}

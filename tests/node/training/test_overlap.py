@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from node.averaging.service import PartnerStats
+from node.averaging.estimates import PartnerStats
 from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.optim.overlap import apply_late
 from node.ml.trainer.loop import TrainConfig, Trainer
@@ -126,7 +126,8 @@ async def test_one_exchange_spans_several_rounds_and_lands_late_without_a_wait()
 def test_the_averager_estimates_an_exchange_from_its_codec_then_measures_it():
     from libp2p.crypto.ed25519 import create_new_key_pair
 
-    from node.averaging.service import PRIOR_WIRE_BYTES_PER_S, Averager
+    from node.averaging.estimates import PRIOR_WIRE_BYTES_PER_S
+    from node.averaging.service import Averager
     from p2p.host import Substrate
 
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
@@ -134,8 +135,8 @@ def test_the_averager_estimates_an_exchange_from_its_codec_then_measures_it():
                    lanes=False)
     n = 86_000_000
     assert avg.expected_exchange_s(n) == pytest.approx(2 * 2 * n / PRIOR_WIRE_BYTES_PER_S)
-    avg._record("peer", 8 * n, 10.0, ok=True)
-    avg._record("peer", 8 * n, 20.0, ok=True)
+    avg.estimates.record("peer", 8 * n, 10.0, ok=True)
+    avg.estimates.record("peer", 8 * n, 20.0, ok=True)
     assert avg.expected_exchange_s(n) == pytest.approx(0.7 * 10.0 + 0.3 * 20.0)
 
 
@@ -151,7 +152,7 @@ async def test_an_exchange_nobody_answered_lengthens_the_deadline_not_the_span()
     skew = 0.5 * avg.inner_steps * avg.step_time()
     first = avg.deadline("z", n)
     prior = avg.expected_exchange_s(n)
-    avg._too_slow("z", first, n)  # nothing arrived: a longer deadline, the estimate kept
+    avg.estimates.timed_out("z", first, n)  # nothing arrived: a longer deadline, the estimate kept
     assert avg.deadline("z", n) - skew == pytest.approx(2 * (first - skew))
     assert avg.expected_exchange_s(n) == prior
 
@@ -161,23 +162,24 @@ def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeyp
     the rest would take 9 s more, so an exchange is expected to take 19 s."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
+    from node.averaging import estimates
     from node.averaging import service as averaging
     from p2p.host import Substrate
 
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: 104.0)
-    n = 1_000_000
-    avg._too_slow("z", 10.0, n, averaging._Progress(101.0, 2 * n, received=n // 2, last=103.9))
+    monkeypatch.setattr(estimates.time, "monotonic", lambda: 104.0)
+    n, Progress, est = 1_000_000, estimates.Progress, avg.estimates
+    est.timed_out("z", 10.0, n, Progress(101.0, 2 * n, received=n // 2, last=103.9))
     # 3 s for a quarter: 9 s more after the 10 s deadline
     assert avg.expected_exchange_s(n) == pytest.approx(19.0)
     assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 19.0)
     # never more than twice the deadline from early bytes; a measurement replaces it
-    avg._too_slow("y", 5.0, n, averaging._Progress(103.9, 2 * n, received=1000, last=103.95))
+    est.timed_out("y", 5.0, n, Progress(103.9, 2 * n, received=1000, last=103.95))
     assert avg.expected_exchange_s(n) == pytest.approx(19.0)  # 10 < 19: kept
-    avg._too_slow("y", 10.0, n, averaging._Progress(103.9, 2 * n, received=1000, last=104.0))
+    est.timed_out("y", 10.0, n, Progress(103.9, 2 * n, received=1000, last=104.0))
     assert avg.expected_exchange_s(n) == pytest.approx(20.0)
-    avg._record("y", 8 * n, 12.0, ok=True)
+    est.record("y", 8 * n, 12.0, ok=True)
     assert avg.expected_exchange_s(n) == 12.0
 
 
@@ -186,15 +188,16 @@ def test_a_swap_whose_bytes_had_stopped_is_a_stall_not_a_slow_link(monkeypatch):
     mid-swap): the deadline for that partner doubles, the expected seconds stay."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
+    from node.averaging import estimates
     from node.averaging import service as averaging
     from p2p.host import Substrate
 
     sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: 110.0)
+    monkeypatch.setattr(estimates.time, "monotonic", lambda: 110.0)
     n = 1_000_000
     prior, rate = avg.expected_exchange_s(n), PartnerStats().bytes_per_s
-    avg._too_slow("z", 10.0, n, averaging._Progress(100.0, 2 * n, received=n, last=101.0))
+    avg.estimates.timed_out("z", 10.0, n, estimates.Progress(100.0, 2 * n, received=n, last=101.0))
     assert avg.expected_exchange_s(n) == prior
     assert avg.partners["z"].bytes_per_s == pytest.approx(rate / 2)
 
@@ -207,7 +210,7 @@ def test_step_time_counts_the_steps_this_process_ran():
 
 
 def test_the_scaled_benchmark_names_the_averagers_prior(monkeypatch):
-    from node.averaging import service as averaging
+    from node.averaging import estimates as averaging
     from testnet.bench import wan_gpu
 
     assert (wan_gpu.PRIOR_ENV, wan_gpu.PRIOR_WIRE_BYTES_PER_S) == \
@@ -229,6 +232,6 @@ def test_a_new_partners_deadline_allows_what_our_exchanges_took():
     avg = Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
     n = 1_000_000
     skew = 0.5 * avg.inner_steps * avg.step_time()
-    avg._record("old", 8 * n, 15.0, ok=True)  # our exchanges take 15 s
+    avg.estimates.record("old", 8 * n, 15.0, ok=True)  # our exchanges take 15 s
     assert avg.deadline("new", n) == pytest.approx(4 * 15.0 + skew)
     assert avg.deadline("old", n) == pytest.approx(4 * 15.0 + skew)  # its own measurement
