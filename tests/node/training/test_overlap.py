@@ -9,7 +9,6 @@ import pytest
 import torch
 import trio
 
-from node.averaging.estimates import PartnerStats
 from node.ml.optim.noloco import NoLoCo, NoLoCoConfig
 from node.ml.optim.overlap import apply_late
 from node.ml.trainer.loop import TrainConfig, Trainer
@@ -140,98 +139,8 @@ def test_the_averager_estimates_an_exchange_from_its_codec_then_measures_it():
     assert avg.expected_exchange_s(n) == pytest.approx(0.7 * 10.0 + 0.3 * 20.0)
 
 
-async def test_an_exchange_nobody_answered_lengthens_the_deadline_not_the_span():
-    from libp2p.crypto.ed25519 import create_new_key_pair
-
-    from node.averaging.service import Averager
-    from p2p.host import Substrate
-
-    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
-    avg = Averager(sub, "run", "a", list, codecs=["bf16", "fp32"], lanes=False)
-    n = 1_000_000
-    skew = 0.5 * avg.inner_steps * avg.step_time()
-    first = avg.deadline("z", n)
-    prior = avg.expected_exchange_s(n)
-    avg.estimates.timed_out("z", first, n)  # nothing arrived: a longer deadline, the estimate kept
-    assert avg.deadline("z", n) - skew == pytest.approx(2 * (first - skew))
-    assert avg.expected_exchange_s(n) == prior
-
-
-def test_a_swap_cut_by_its_deadline_estimates_the_rest_from_what_arrived(monkeypatch):
-    """A quarter of the partner's vector arrived in the 3 s of swap before a 10 s deadline:
-    the rest would take 9 s more, so an exchange is expected to take 19 s."""
-    from libp2p.crypto.ed25519 import create_new_key_pair
-
-    from node.averaging import estimates
-    from node.averaging import service as averaging
-    from p2p.host import Substrate
-
-    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
-    avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
-    monkeypatch.setattr(estimates.time, "monotonic", lambda: 104.0)
-    n, Progress, est = 1_000_000, estimates.Progress, avg.estimates
-    est.timed_out("z", 10.0, n, Progress(101.0, 2 * n, received=n // 2, last=103.9))
-    # 3 s for a quarter: 9 s more after the 10 s deadline
-    assert avg.expected_exchange_s(n) == pytest.approx(19.0)
-    assert avg.partners["z"].bytes_per_s == pytest.approx(8 * n / 19.0)
-    # never more than twice the deadline from early bytes; a measurement replaces it
-    est.timed_out("y", 5.0, n, Progress(103.9, 2 * n, received=1000, last=103.95))
-    assert avg.expected_exchange_s(n) == pytest.approx(19.0)  # 10 < 19: kept
-    est.timed_out("y", 10.0, n, Progress(103.9, 2 * n, received=1000, last=104.0))
-    assert avg.expected_exchange_s(n) == pytest.approx(20.0)
-    est.record("y", 8 * n, 12.0, ok=True)
-    assert avg.expected_exchange_s(n) == 12.0
-
-
-def test_a_swap_whose_bytes_had_stopped_is_a_stall_not_a_slow_link(monkeypatch):
-    """Half the vector came in the first second, then nothing for 9 s (a partner killed
-    mid-swap): the deadline for that partner doubles, the expected seconds stay."""
-    from libp2p.crypto.ed25519 import create_new_key_pair
-
-    from node.averaging import estimates
-    from node.averaging import service as averaging
-    from p2p.host import Substrate
-
-    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
-    avg = averaging.Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
-    monkeypatch.setattr(estimates.time, "monotonic", lambda: 110.0)
-    n = 1_000_000
-    prior, rate = avg.expected_exchange_s(n), PartnerStats().bytes_per_s
-    avg.estimates.timed_out("z", 10.0, n, estimates.Progress(100.0, 2 * n, received=n, last=101.0))
-    assert avg.expected_exchange_s(n) == prior
-    assert avg.partners["z"].bytes_per_s == pytest.approx(rate / 2)
-
-
 def test_step_time_counts_the_steps_this_process_ran():
     st = TrainingStats(step=99, compute_s=0.0)  # resumed at 40, jumped to the swarm's 99
     assert st.step_time() == 0.2  # the prior, not 0 s
     st.steps_run, st.compute_s = 4, 2.0
     assert st.step_time() == 0.5
-
-
-def test_the_scaled_benchmark_names_the_averagers_prior(monkeypatch):
-    from node.averaging import estimates as averaging
-    from testnet.bench import wan_gpu
-
-    assert (wan_gpu.PRIOR_ENV, wan_gpu.PRIOR_WIRE_BYTES_PER_S) == \
-        (averaging.PRIOR_ENV, averaging.PRIOR_WIRE_BYTES_PER_S)
-    monkeypatch.setenv(averaging.PRIOR_ENV, "1.5e6")
-    assert averaging.prior_wire_rate() == 1.5e6
-    for bad in ("fast", "-1", "0"):
-        monkeypatch.setenv(averaging.PRIOR_ENV, bad)
-        assert averaging.prior_wire_rate() == averaging.PRIOR_WIRE_BYTES_PER_S
-
-
-def test_a_new_partners_deadline_allows_what_our_exchanges_took():
-    from libp2p.crypto.ed25519 import create_new_key_pair
-
-    from node.averaging.service import Averager
-    from p2p.host import Substrate
-
-    sub = Substrate(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
-    avg = Averager(sub, "run", "a", list, codecs=["bf16"], lanes=False)
-    n = 1_000_000
-    skew = 0.5 * avg.inner_steps * avg.step_time()
-    avg.estimates.record("old", 8 * n, 15.0, ok=True)  # our exchanges take 15 s
-    assert avg.deadline("new", n) == pytest.approx(4 * 15.0 + skew)
-    assert avg.deadline("old", n) == pytest.approx(4 * 15.0 + skew)  # its own measurement
