@@ -33,6 +33,8 @@ dropped by every live host from the kill to the end; steps a second before and a
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -238,16 +240,19 @@ def _first_step(net: launcher.Testnet, tail: launcher.Proc, fresh: set[str],
 
 @contextlib.contextmanager
 def burning(on: bool) -> Iterator[subprocess.Popen | None]:
-    """One core busy (`yes`) for the block, bounded by timeout(1) too. Stopped with
-    SIGTERM, which timeout passes on to `yes`: SIGKILL would end timeout alone and leave
-    `yes` running to BURN_S (2026-11-28: the burner half ran its last case beside 7)."""
+    """One core busy (`yes`) for the block, bounded by timeout(1) too, in a process group
+    of its own. Stopped with SIGTERM to the group: SIGKILL would end timeout alone and leave
+    `yes` running to BURN_S (2026-11-28: the burner half ran its last case beside 7), and a
+    SIGTERM to timeout alone, landing between its fork and its noting the child's pid,
+    makes it exit without passing it on (a suite beside a burner left `yes` running)."""
     yes = (subprocess.Popen(["timeout", str(BURN_S), "yes"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL) if on else None)
+                            stderr=subprocess.DEVNULL, start_new_session=True) if on else None)
     try:
         yield yes
     finally:
         if yes is not None:
-            yes.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(yes.pid, signal.SIGTERM)
             yes.wait()
 
 

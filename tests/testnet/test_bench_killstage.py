@@ -85,12 +85,21 @@ def test_a_case_that_failed_is_a_row_that_says_why():
 
 def test_the_burner_stops_with_its_case():
     """`yes` runs under timeout(1): a SIGKILL ended timeout alone and left `yes` burning
-    for 30 minutes, so each case of the burner half ran beside one more of them."""
+    for 30 minutes, so each case of the burner half ran beside one more of them; a SIGTERM
+    to timeout right after its fork (this test, beside a loaded suite) left it for good."""
     with bench.burning(True) as yes:
         assert yes is not None
         children = Path(f"/proc/{yes.pid}/task/{yes.pid}/children")
         child = wait_until(lambda: children.read_text().split(), 10, "timeout to start yes")
-    assert not Path(f"/proc/{child[0]}").exists() or \
-        Path(f"/proc/{child[0]}/stat").read_text().split()[2] == "Z"
+
+    def gone() -> bool:  # exited (a zombie is exited, not yet reaped)
+        try:
+            return Path(f"/proc/{child[0]}/stat").read_text().split()[2] == "Z"
+        except OSError:
+            return True
+
+    # a bounded wait: `yes` gets its SIGTERM with timeout(1), not after it (the bugs this
+    # guards against left it running for 30 min, or for good)
+    wait_until(gone, 10, "yes to stop with its case")
     with bench.burning(False) as none:
         assert none is None
