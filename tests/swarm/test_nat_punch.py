@@ -89,12 +89,15 @@ def test_two_symmetric_nat_nodes_fail_to_punch_and_train_together_through_relays
     # the public nodes relay; a private one does not
     assert relay(boot)["serving"] is not None and relay(n1)["serving"] is None
 
-    # The punch is tried by the lower peer id, fails, and is retried later (read as soon
-    # as it failed: the retry comes 30 s on).
+    # The punch is tried by the lower peer id, fails, and is tried again later, not given
+    # up. The status may be read after the 30 s backoff ran out (a loaded machine delays
+    # the read, not the timer), so a second attempt may be under way by then: the backoff
+    # arithmetic itself is tested on trio's clock in tests/node/reach/test_punch.py.
     wait_until(lambda: punch(driver).get("failed", 0) >= 1, 240,
                f"{driver.name}'s first punch to fail")
     peer = punch(driver)["peers"][ids[other.name]]
-    assert peer["state"] == "retrying" and peer["retry_in_s"] > 0, peer
+    assert ((peer["state"] == "retrying" and 0 <= peer["retry_in_s"] <= 30)
+            or (peer["state"] == "punching" and peer["attempts"] >= 2)), peer
     assert "no dial" in (peer["error"] or ""), peer
     assert punch(other)["attempts"] == 0
     assert status(driver)["phase"] == "running"
