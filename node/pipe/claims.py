@@ -124,6 +124,13 @@ def merged(heard: Mapping[str, int], claims: Iterable[Claim]) -> dict[str, int]:
     return {**hosting(claims), **heard}
 
 
+def renewing(claims: Iterable[Claim], now_ms: int, within_ms: int) -> dict[str, int]:
+    """`hosting` over the claims renewed within the last `within_ms`: hosts that were alive
+    a moment ago by their own writes, heard or not. A SIGKILLed host drops out `within_ms`
+    after its last renewal, long before its lease ends."""
+    return hosting(c for c in claims if now_ms - c.renewed_ms <= within_ms)
+
+
 def holders(claims: Iterable[Claim], stage: int) -> list[Claim]:
     """The live claims on `stage`, bids included, in rank order (the first holds it)."""
     return sorted((c for c in claims if c.stage == stage), key=lambda c: c.rank)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.pipe import stage_ckpt
+from node.pipe.claims import RENEW_S
 from node.pipe.fetch import WeightsFetcher, why
 from node.pipe.stage_map import StageMap
 from node.pipe.state import PipeState
@@ -31,6 +32,9 @@ log = logging.getLogger("node.pipeline")
 
 STALE_CHECKPOINTS = 10  # a host's own stage checkpoint older than this many intervals: rebuild
 PEER_CHECKPOINTS_S = 20.0  # a recovery waits at most this for other peers' stage checkpoints
+HEAR_TTLS = 2  # a recovery waits at most this many peer ttls to hear every claimed host
+RECENT_RENEWALS = 2  # a claim renewed within this many renewal intervals: a live host
+HEAR_POLL_S = 0.25  # how often it looks again (heartbeats land in the membership view)
 
 
 class Recovery:
@@ -49,6 +53,7 @@ class Recovery:
 
         st, s, p = self.state, self.state.stage, self.state.pipeline
         assert s is not None
+        await self._hear_hosts()  # the step and the rule are read off what we have heard
         swarm = self.map.swarm_step()
         if swarm == 0:
             worker.started_from(0)
@@ -90,6 +95,33 @@ class Recovery:
         self._recovered("none", [], t0, swarm, "; ".join(failed) or (
             'recovery = "none": the seed\'s weights' if p.recovery == "none"
             else "no replica, checkpoint or neighbour had its weights"))
+
+    async def _hear_hosts(self) -> None:
+        """Wait, at most HEAR_TTLS peer ttls, until this node has heard the trained steps of
+        every host whose stage claim was renewed lately (sources.unheard), and a swarm step
+        where a heard host's weights say the run has trained: a host not heard yet made its
+        stage count as lost, which changed the rule, or left the swarm's step unconfirmed,
+        and a joiner read 0 as a fresh run and took the seed's weights (CI, 2026-12-08). A
+        killed host's claim stops counting RECENT_RENEWALS renewals after its death."""
+        from node.ml.recovery.sources import unheard
+
+        def waiting_for() -> str | None:
+            claimed = self.map.renewing(RECENT_RENEWALS * RENEW_S)
+            trained = self.map.trained_of(list(claimed))
+            if missing := unheard(claimed, trained, self.ctx.peer_id):
+                return f"the trained steps of {', '.join(q[-6:] for q in missing)}"
+            if self.map.swarm_step() == 0 and any(t for t in trained.values()):
+                return "a swarm step (hosts claim trained weights, no step is confirmed)"
+            return None
+
+        bound = HEAR_TTLS * self.ctx.config.peer_ttl_s
+        with trio.move_on_after(bound):
+            while (what := waiting_for()) is not None:
+                log.debug("pipeline: recovery waits for %s", what)
+                await trio.sleep(HEAR_POLL_S)
+            return
+        log.info("pipeline: recovery goes on without %s (not heard within %.0f s)", what,
+                 bound)
 
     async def _copy(self, worker: StageWorker, peer: str, swarm: int, t0: float) -> bool:
         """A live replica's weights and its claim (its answer's, else its heartbeats')."""

@@ -100,6 +100,16 @@ class StageMap:
         me = self.lease.me  # our own claim is `state.stage`, or a previous run's
         return claims.merged(hosts, [c for c in self.lease.claims(now_ms()) if c.peer != me])
 
+    def renewing(self, within_s: float) -> dict[str, int]:
+        """Other peers -> stage, by their claims renewed within `within_s` (claims.renewing)."""
+        if self.lease is None:
+            return {}
+        from node.run.rundoc_sync import now_ms
+
+        now, me = now_ms(), self.lease.me
+        return {p: s for p, s in claims.renewing(self.lease.claims(now), now,
+                                                  int(within_s * 1000)).items() if p != me}
+
     def settled(self) -> set[str]:
         """Live hosts whose stage trains already (their heartbeats say `staged`)."""
         out = {e.peer_id for e in self.live()

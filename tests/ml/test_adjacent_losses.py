@@ -104,3 +104,14 @@ async def test_a_peer_serves_its_checkpoint_of_a_stage_it_no_longer_hosts(tmp_pa
     want = donor.runner.stage.state_dict()
     assert all(torch.equal(got.tensors[k], want[k].float()) for k in want)
 
+
+
+def test_a_recovery_waits_only_for_claimed_hosts_it_has_not_heard():
+    """sources.unheard: hosts with a lately renewed claim whose trained steps this node has
+    not heard (no heartbeat yet, or one without the claim); itself never."""
+    from node.ml.recovery.sources import unheard
+
+    claimed = {"a": 0, "b": 3, "me": 1}
+    assert unheard(claimed, {"a": 120, "b": None}, "me") == ["b"]
+    assert unheard(claimed, {"a": 120}, "me") == ["b"]
+    assert unheard(claimed, {"a": 0, "b": 7}, "me") == []  # heard: untrained is an answer

@@ -71,6 +71,16 @@ def lost_stages(smap: Sequence[Sequence[str]], trained: Mapping[str, int | None]
             if not any(is_current(trained.get(q), fresh) for q in row if q != me)}
 
 
+def unheard(claimed: Mapping[str, int], trained: Mapping[str, int | None], me: str
+            ) -> list[str]:
+    """Hosts whose stage claims were renewed lately (`claimed`: peer -> stage) whose trained
+    steps this node has not heard: a joiner's first heartbeats arrive over seconds, and a
+    stage whose host it had not heard yet counted as lost, so an adjacent loss was rebuilt
+    by an edge rule (a copy of stage 0) instead of from the stages around it (CI,
+    2026-12-08). The recovery waits a bounded time for these."""
+    return sorted(q for q in claimed if q != me and trained.get(q) is None)
+
+
 def rebuild_from(lost: set[int], layers: Sequence[int], mode: str,
                  held: Mapping[int, int], fresh: int) -> dict[int, str]:
     """For each stage in `lost`, the source it is rebuilt from first (the rule of

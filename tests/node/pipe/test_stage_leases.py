@@ -232,3 +232,23 @@ async def test_a_stopping_service_frees_its_stage_at_once(autojump_clock):
     assert lease.claims(now + 1) == [] and lease.stage is None
     sync()
     assert other.agreed(now + 3) == {}  # free at once, 15 s of lease left unused
+
+
+def test_a_host_renewing_its_claim_counts_as_live_and_a_killed_one_drops_out_first():
+    """claims.renewing: what a recovery waits to hear (node/pipe/recovery.py `_hear_hosts`).
+    A host renewing every RENEW_S stays in; SIGKILLed, it drops out `within` after its last
+    renewal, while its lease still holds the stage; a bid is no host."""
+    host, bidder, other = Node(0, 3), Node(1, 3), Node(2, 3)
+    rng = random.Random(3)
+    host.lease.hold(2, T0)
+    bidder.lease.place_bid(0, T0)
+    gossip([host, bidder, other], T0, rng)
+    within = 6000
+    assert claims.renewing(other.lease.claims(T0 + 1000), T0 + 1000, within) == {host.me: 2}
+    host.lease.renew(T0 + 3000)
+    gossip([host, bidder, other], T0 + 3000, rng)
+    assert claims.renewing(other.lease.claims(T0 + 9000), T0 + 9000, within) == {host.me: 2}
+    # killed after the renewal at T0 + 3 s: out at 3 s + within, the lease holds on
+    dead = T0 + 3000 + within + 1
+    assert claims.renewing(other.lease.claims(dead), dead, within) == {}
+    assert other.agreed(dead) == {host.me: 2}
