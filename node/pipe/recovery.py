@@ -19,6 +19,7 @@ import trio
 
 from node.pipe import stage_ckpt
 from node.pipe.claims import RENEW_S
+from node.pipe.convergence import FRESH_S
 from node.pipe.fetch import WeightsFetcher, why
 from node.pipe.stage_map import StageMap
 from node.pipe.state import PipeState
@@ -71,7 +72,7 @@ class Recovery:
                             s, e)
         fresh = swarm - STALE_CHECKPOINTS * st.m.checkpoint.every_steps
         failed: list[str] = []
-        for src in sources.rank(self.map.trained_of(smap[s]), claim, swarm, fresh,
+        for src in sources.rank(self.claims(smap[s]), claim, swarm, fresh,
                                 checkfree=p.recovery != "none"):
             if src.kind == "replica":
                 assert src.peer is not None
@@ -96,6 +97,11 @@ class Recovery:
             'recovery = "none": the seed\'s weights' if p.recovery == "none"
             else "no replica, checkpoint or neighbour had its weights"))
 
+    def claims(self, hosts: list[str]) -> dict[str, int | None]:
+        """The trained steps `hosts` claim in every heartbeat heard within FRESH_S: a host
+        of the map whose heartbeat is late by more than the ttl keeps its claim."""
+        return self.map.trained_of(hosts, heard_within_s=FRESH_S)
+
     async def _hear_hosts(self) -> None:
         """Wait, at most HEAR_TTLS peer ttls, until this node has heard the trained steps of
         every host whose stage claim was renewed lately (sources.unheard), and a swarm step
@@ -107,7 +113,7 @@ class Recovery:
 
         def waiting_for() -> str | None:
             claimed = self.map.renewing(RECENT_RENEWALS * RENEW_S)
-            trained = self.map.trained_of(list(claimed))
+            trained = self.claims(list(claimed))
             if missing := unheard(claimed, trained, self.ctx.peer_id):
                 return f"the trained steps of {', '.join(q[-6:] for q in missing)}"
             if self.map.swarm_step() == 0 and any(t for t in trained.values()):
@@ -129,7 +135,7 @@ class Recovery:
         got, _ = await self.fetcher.first([peer], self.state.stage or 0, "all", shapes)
         if got is None:
             return False
-        said = self.map.trained_of([peer]).get(peer)
+        said = self.claims([peer]).get(peer)
         trained = got[1].trained if got[1].trained is not None else said or 0
         await trio.to_thread.run_sync(worker.load_copy, got[1].tensors)
         worker.started_from(min(trained, swarm))
@@ -202,7 +208,7 @@ class Recovery:
         assert s is not None
         mode = p.recovery
         assert mode != "none", "a stage is rebuilt only under CheckFree (or CheckFree+)"
-        said = self.map.trained_of([q for row in smap for q in row])
+        said = self.claims([q for row in smap for q in row])
         empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {me}}
         lost = lost_stages(smap, said, fresh, me) - {s}
         try:

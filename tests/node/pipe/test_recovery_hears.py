@@ -72,3 +72,14 @@ def test_a_host_never_heard_costs_the_bound_and_no_more():
 def test_nothing_claimed_and_unheard_means_no_wait():
     service = service_hearing(("a0", 0, 0.5, {"step": 40, "trained": 40}), me="z0", stage=1)
     assert run(service) == 0
+
+
+def test_a_host_whose_heartbeat_is_late_past_the_ttl_keeps_its_claim_for_the_recovery():
+    """Stage 3's host was heard 7 s ago (the live view's ttl is 5 s): the live view has lost
+    it, the recovery's read of claims has not (heard within FRESH_S, 15 s), so its stage
+    is not judged lost; a host heard 20 s ago is gone from both."""
+    service = service_hearing(("a0", 0, 0.5, {"step": 40, "trained": 40}),
+                              ("d3", 3, 7.0, {"step": 40, "trained": 38}),
+                              ("old", 2, 20.0, {"step": 40, "trained": 30}), me="z0", stage=1)
+    assert service.map.trained_of(["a0", "d3", "old"]) == {"a0": 40, "d3": None, "old": None}
+    assert service.recovery.claims(["a0", "d3", "old"]) == {"a0": 40, "d3": 38, "old": None}
