@@ -19,6 +19,8 @@ from protocols import pipeline as pipe
 if TYPE_CHECKING:
     from node.service import NodeContext
 
+HEARD_CAP_S = 60.0  # trained_of(heard_within_s=...): no heartbeat older than this counts
+
 
 def lease_for(ctx: NodeContext, state: PipeState) -> claims.StageLease | None:
     """This node's lease on its stage in the run document; None without a run document
@@ -137,19 +139,27 @@ class StageMap:
         """Every stage has a host (the worker's `ready`, trainer thread)."""
         return placement.complete(self.rows())
 
+    def heard(self, within_s: float) -> list[Any]:
+        """The heartbeats heard within `within_s` of the newest one heard from anyone, and
+        written within `within_s` of the newest one written (by arrival and by `t`, each
+        relative; never older than HEARD_CAP_S): what a recovery reads the claims of the
+        map's hosts from. Under load a heartbeat arrives past the 5 s ttl, or this node's
+        own loop lags (a joiner building its stage), a host drops out of the live view for
+        a moment, and a recovery judged its stage lost (CI, 2026-12-08: stage 1 rebuilt by
+        the edge copy). Relative, so a lagging node keeps the claims it heard last."""
+        m, wall = self.ctx.membership, time.time()
+        heard = m.book.live(time.monotonic() - max(0.0, HEARD_CAP_S - self.ctx.config.peer_ttl_s))
+        newest = max((e.last_seen for e in heard), default=0.0)
+        ages = {e.peer_id: m.age(e, wall) for e in heard}
+        youngest = min((a for a in ages.values() if a is not None), default=0.0)
+        return [e for e in heard if newest - e.last_seen <= within_s
+                and ((a := ages[e.peer_id]) is None or a - youngest <= within_s)]
+
     def trained_of(self, hosts: list[str], heard_within_s: float | None = None
                    ) -> dict[str, int | None]:
-        """`hosts` (less this node) -> the trained steps their heartbeats claim, from the
-        live view, or (`heard_within_s`) from every heartbeat that arrived within that long:
-        under load a heartbeat arrives past the 5 s ttl, the host drops out of the live view
-        for a moment, and a recovery judged its stage lost (CI, 2026-12-08)."""
-        if heard_within_s is None:
-            entries = self.live()
-        else:  # the book's ttl test, shifted: arrived within heard_within_s
-            shift = max(0.0, heard_within_s - self.ctx.config.peer_ttl_s)
-            m, now = self.ctx.membership, time.time()
-            entries = [e for e in m.book.live(time.monotonic() - shift)  # and written lately
-                       if (age := m.age(e, now)) is None or age <= FRESH_S]
+        """`hosts` (less this node) -> the trained steps their heartbeats claim, in the
+        live view, or in `heard(heard_within_s)`."""
+        entries = self.live() if heard_within_s is None else self.heard(heard_within_s)
         said = {e.peer_id: (e.info.get("stats") or {}).get("trained") for e in entries}
         return {q: t if type(t := said.get(q)) is int else None
                 for q in hosts if q != self.ctx.peer_id}

@@ -83,3 +83,12 @@ def test_a_host_whose_heartbeat_is_late_past_the_ttl_keeps_its_claim_for_the_rec
                               ("old", 2, 20.0, {"step": 40, "trained": 30}), me="z0", stage=1)
     assert service.map.trained_of(["a0", "d3", "old"]) == {"a0": 40, "d3": None, "old": None}
     assert service.recovery.claims(["a0", "d3", "old"]) == {"a0": 40, "d3": 38, "old": None}
+
+
+def test_a_node_whose_own_loop_lags_keeps_the_claims_it_heard_last():
+    """Every heartbeat arrived 12-18 s ago (this node's loop was busy): the live view is
+    empty; the recovery's read is relative to the newest heartbeat, so both claims stand."""
+    service = service_hearing(("a0", 0, 12.0, {"step": 40, "trained": 40}),
+                              ("d3", 3, 18.0, {"step": 40, "trained": 38}), me="z0", stage=1)
+    assert service.map.trained_of(["a0", "d3"]) == {"a0": None, "d3": None}
+    assert service.recovery.claims(["a0", "d3"]) == {"a0": 40, "d3": 38}
