@@ -208,8 +208,14 @@ class Recovery:
         assert s is not None
         mode = p.recovery
         assert mode != "none", "a stage is rebuilt only under CheckFree (or CheckFree+)"
-        said = self.claims([q for row in smap for q in row])
-        empty = {j for j, row in enumerate(smap) if j != s and not set(row) - {me}}
+        # A stage with no live host is lost; for the fallback below its hosts heard within
+        # FRESH_S of the newest heartbeat still count: a starved joiner's live view loses
+        # hosts whose heartbeats it was too busy to take in, and a lost stage 0 then had no
+        # partner to copy and took the seed (CI, 2026-12-08). A dead one fails its fetch.
+        heard = self.map.rows(heard_within_s=FRESH_S)
+        reach = [row or [q for q in heard[j] if q != me] for j, row in enumerate(smap)]
+        said = self.claims([q for row in reach for q in row])
+        empty = {j for j, row in enumerate(reach) if j != s and not set(row) - {me}}
         lost = lost_stages(smap, said, fresh, me) - {s}
         try:
             how = plan(s, layers, mode, lost)
@@ -224,18 +230,18 @@ class Recovery:
         elif lost:
             log.info("pipeline: stages %s are lost too; stage %d is rebuilt from the nearest "
                      "surviving stages %s", sorted(lost), s, how.sources)
-        ends = await self.weights.ends_copy(worker, s, smap) if how.ends else None
+        ends = await self.weights.ends_copy(worker, s, reach) if how.ends else None
         shapes = {k: tuple(v.shape) for k, v in worker.runner.stage.blocks.state_dict().items()}
         blocks: dict[int, Any] = {}
         norms: dict[int, float] = {}
         claims: list[int] = []
         found: list[str] = []
         for j in how.sources:  # its most trained hosts first
-            hosts = sorted(smap[j], key=lambda q: -(said.get(q) or 0))
+            hosts = sorted(reach[j], key=lambda q: -(said.get(q) or 0))
             got, failed = await self.fetcher.first(hosts, j, "blocks", shapes)
             if got is None:
                 raise RecoveryError(f"no host of stage {j}, a source of stage {s}, gave "
-                                    f"its blocks (asked {len(smap[j])}"
+                                    f"its blocks (asked {len(hosts)}"
                                     f"{': ' if failed else ''}{'; '.join(failed)})")
             peer, answer = got
             blocks[j] = answer.tensors

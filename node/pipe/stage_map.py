@@ -74,12 +74,16 @@ class StageMap:
             claims[self.ctx.peer_id] = self.state.progress.step
         return convergence.confirmed_step(claims, self.settled())
 
-    def hosts(self, first_choice: bool = False) -> dict[str, int]:
-        """Live node -> the stage it hosts (its heartbeats, else its run-document entry)."""
+    def hosts(self, first_choice: bool = False, heard_within_s: float | None = None
+              ) -> dict[str, int]:
+        """Live node -> the stage it hosts (its heartbeats, else its run-document entry);
+        with `heard_within_s`, the nodes of `heard(heard_within_s)` instead."""
         ctx, n = self.ctx, self.state.n
         doc = ctx.run.document if ctx.run else None
         out: dict[str, int] = {}
-        for e in self.live(first_choice):
+        entries = self.live(first_choice) if heard_within_s is None else \
+            self.heard(heard_within_s)
+        for e in entries:
             if e.info.get("role") != "node" or e.peer_id == ctx.peer_id:
                 continue
             s = (e.info.get("stats") or {}).get("stage")
@@ -131,9 +135,10 @@ class StageMap:
         out[self.ctx.peer_id] = time.monotonic() - self.ctx.phases.started
         return out
 
-    def rows(self) -> list[list[str]]:
-        """Stage -> its live hosts, sorted (placement.stage_map)."""
-        return placement.stage_map(self.hosts(), self.state.n)
+    def rows(self, heard_within_s: float | None = None) -> list[list[str]]:
+        """Stage -> its live hosts (or those heard, see `hosts`), sorted
+        (placement.stage_map)."""
+        return placement.stage_map(self.hosts(heard_within_s=heard_within_s), self.state.n)
 
     def complete(self) -> bool:
         """Every stage has a host (the worker's `ready`, trainer thread)."""

@@ -92,3 +92,6 @@ def test_a_node_whose_own_loop_lags_keeps_the_claims_it_heard_last():
                               ("d3", 3, 18.0, {"step": 40, "trained": 38}), me="z0", stage=1)
     assert service.map.trained_of(["a0", "d3"]) == {"a0": None, "d3": None}
     assert service.recovery.claims(["a0", "d3"]) == {"a0": 40, "d3": 38}
+    # and the hosts a rebuild may still ask where its live view has none (Recovery._rebuild)
+    assert service.map.rows() == [[], ["z0"], [], []]
+    assert service.map.rows(heard_within_s=15.0) == [["a0"], ["z0"], [], ["d3"]]
