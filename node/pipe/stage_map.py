@@ -19,7 +19,7 @@ from protocols import pipeline as pipe
 if TYPE_CHECKING:
     from node.service import NodeContext
 
-HEARD_CAP_S = 60.0  # trained_of(heard_within_s=...): no heartbeat older than this counts
+HEARD_CAP_S = 60.0  # `heard`: no heartbeat older than this counts, however the others lag
 
 
 def lease_for(ctx: NodeContext, state: PipeState) -> claims.StageLease | None:
